@@ -1,0 +1,108 @@
+"""Supervised fine-tuning with MaxText on a reservation-bound Cloud TPU VM.
+
+The tutorial this automates, step by step (see README.md):
+  1. create the TPU VM (ct6e-standard-8t, RESERVATION_BOUND, terminates by DELETE)
+  2. install MaxText on it
+  3. convert the Hugging Face checkpoint to MaxText format
+  4. run SFT (detached; a sensor waits for the final checkpoint)
+  5. convert the result back to Hugging Face format
+  6. delete the VM, whatever happened before
+Trigger with run conf to override any Param; the trigger form documents each one.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import DAG, task
+from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
+from maxtext_sft.operators.vm_script import VmScriptOperator
+from maxtext_sft.params import pipeline_params
+from maxtext_sft.plan import plan_run as plan
+from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
+
+GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
+SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
+HF_CONN_ID = "huggingface_default"  # password = Hugging Face token
+
+with DAG(
+    dag_id="maxtext_sft",
+    description="MaxText SFT on a reservation-bound TPU VM, deleted whatever happens",
+    schedule=None,
+    catchup=False,
+    params=pipeline_params(),
+    tags=["maxtext", "sft", "tpu"],
+    default_args={"retries": 2, "retry_delay": timedelta(seconds=30), "owner": "ml-platform"},
+    doc_md=__doc__,
+) as dag:
+
+    @task(multiple_outputs=True, retries=0)
+    def plan_run(**context):
+        """Validate Params and connections; derive names and paths. Nothing is paid for yet."""
+        return plan(context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID)
+
+    run = plan_run()
+    vm_connections = {"gcp_conn_id": GCP_CONN_ID, "ssh_conn_id": SSH_CONN_ID}
+    step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID}
+
+    # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
+    # run even when the create fails after the API accepted it, or a user marks the run failed.
+    vm_lease = EmptyOperator(task_id="vm_lease")
+
+    # 1. Create the VM.
+    create_vm = CreateVmOperator(
+        task_id="create_vm",
+        project_id=run["project_id"],
+        zone=run["zone"],
+        resource_id=run["vm_name"],
+        request_id=run["request_id"],
+        body=run["instance_body"],
+        gcp_conn_id=GCP_CONN_ID,
+    )
+    wait_for_ssh = VmSshReadySensor(
+        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=600, **vm_connections
+    )
+
+    # 2. Install MaxText.
+    install_maxtext = VmScriptOperator(task_id="install_maxtext", step="install", spec=run["spec"], **step_connections)
+
+    # 3. Convert Hugging Face -> MaxText.
+    convert_checkpoint = VmScriptOperator(
+        task_id="convert_checkpoint", step="convert", spec=run["spec"], **step_connections
+    )
+
+    # 4. SFT: started detached, then watched until the final checkpoint.
+    start_training = VmScriptOperator(
+        task_id="start_training", step="start_training", spec=run["spec"], **step_connections
+    )
+    wait_for_final_checkpoint = TrainingCheckpointSensor(
+        task_id="wait_for_final_checkpoint", spec=run["spec"], **vm_connections
+    )
+
+    # 5. Convert MaxText -> Hugging Face.
+    export_to_hf = VmScriptOperator(task_id="export_to_hf", step="export", spec=run["spec"], **step_connections)
+
+    # 6. Delete the VM in every outcome. The run's state comes from the work tasks, not from this
+    # teardown; a failed delete still fails the run (a VM may be left behind).
+    delete_vm = DeleteVmOperator(
+        task_id="delete_vm",
+        project_id=run["project_id"],
+        zone=run["zone"],
+        resource_id=run["vm_name"],
+        gcp_conn_id=GCP_CONN_ID,
+        retries=5,
+    ).as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+
+    (
+        run
+        >> vm_lease
+        >> create_vm
+        >> wait_for_ssh
+        >> install_maxtext
+        >> convert_checkpoint
+        >> start_training
+        >> wait_for_final_checkpoint
+        >> export_to_hf
+        >> delete_vm
+    )

@@ -1,0 +1,31 @@
+# Helpers shared by the step scripts beside this file. Sourced, not run.
+
+# WORK_DIR may be "~" or "~/..." (the remote side knows $HOME; the DAG does not).
+resolve_dir() {
+  case "$1" in
+    "~") printf '%s\n' "$HOME" ;;
+    "~/"*) printf '%s/%s\n' "$HOME" "${1#"~/"}" ;;
+    *) printf '%s\n' "$1" ;;
+  esac
+}
+
+activate_maxtext_venv() {
+  local venv="$1/maxtext_venv"
+  if [ ! -f "$venv/bin/activate" ]; then
+    echo "no MaxText venv at $venv: run install_maxtext.sh first" >&2
+    exit 3
+  fi
+  # shellcheck disable=SC1091
+  source "$venv/bin/activate"
+}
+
+# The Hugging Face token arrives on stdin (first line) so it never shows in a command line;
+# MaxText reads HF_TOKEN from the environment. Run by hand: export HF_TOKEN instead.
+read_hf_token() {
+  if [ -z "${HF_TOKEN:-}" ] && [ ! -t 0 ]; then
+    IFS= read -r HF_TOKEN || true
+  fi
+  if [ -n "${HF_TOKEN:-}" ]; then
+    export HF_TOKEN
+  fi
+}

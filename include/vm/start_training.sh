@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Tutorial step 4: start SFT detached, so it survives the SSH connection that started it.
+# Writes WORK_DIR/maxtext-sft-runs/RUN_NAME/{train.log,pid,exit_code}. Safe to run twice: a
+# running or finished training is left alone; a failed one is started again and MaxText
+# resumes from its latest checkpoint.
+# Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS [MAXTEXT_ARG...]
+#        (HF token on stdin or in HF_TOKEN)
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+work_dir=$(resolve_dir "$1")
+run_name=$2
+accelerator_type=$3
+topology=$4
+chips_per_host_bounds=$5
+shift 5
+read_hf_token
+job_dir="$work_dir/maxtext-sft-runs/$run_name"
+mkdir -p "$job_dir"
+
+if [ -f "$job_dir/pid" ] && kill -0 "$(cat "$job_dir/pid")" 2>/dev/null; then
+  echo "Training $run_name is already running (pid $(cat "$job_dir/pid"))"
+  exit 0
+fi
+if [ "$(cat "$job_dir/exit_code" 2>/dev/null)" = 0 ]; then
+  echo "Training $run_name already finished (exit code 0); not starting it again"
+  exit 0
+fi
+rm -f "$job_dir/exit_code"
+activate_maxtext_venv "$work_dir"
+
+export TPU_ACCELERATOR_TYPE="$accelerator_type" TPU_WORKER_ID=0 TPU_NAME="$(hostname)"
+export TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost TPU_TOPOLOGY="$topology"
+export TPU_CHIPS_PER_HOST_BOUNDS="$chips_per_host_bounds" TPU_HOST_BOUNDS=1,1,1
+# The exit code is written via a rename, so a reader never sees a half-written file.
+# shellcheck disable=SC2016
+setsid nohup bash -c '
+  job_dir=$1; shift
+  python3 -m maxtext.trainers.post_train.sft.train_sft "$@" >>"$job_dir/train.log" 2>&1
+  echo $? >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
+' train_sft "$job_dir" "$@" </dev/null >/dev/null 2>&1 &
+echo $! >"$job_dir/pid"
+echo "Started training $run_name (pid $!); log: $job_dir/train.log"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Report on a training started by start_training.sh: prints the log lines not printed by an
+# earlier call (a cursor file remembers where it stopped), then one status line:
+#   MAXTEXT_SFT_STATUS state=running|succeeded|failed exit_code=C last_step=N last_loss=L
+# succeeded = exit code 0 and the final checkpoint (CHECKPOINTS_DIR/STEPS/model_params) exists.
+# On failure, the last 40 log lines follow a "--- tail" line, before the status line.
+# Usage: training_status.sh WORK_DIR RUN_NAME CHECKPOINTS_DIR STEPS
+set -euo pipefail
+export LC_ALL=C  # byte arithmetic on the log
+source "$(dirname "$0")/lib.sh"
+work_dir=$(resolve_dir "$1")
+run_name=$2
+checkpoints_dir=${3%/}
+steps=$4
+job_dir="$work_dir/maxtext-sft-runs/$run_name"
+log="$job_dir/train.log"
+cursor="$job_dir/log.cursor"
+
+if [ ! -f "$job_dir/pid" ]; then
+  echo "MAXTEXT_SFT_STATUS state=failed exit_code=none last_step=none last_loss=none reason=no-training-started"
+  exit 0
+fi
+
+offset=$(cat "$cursor" 2>/dev/null || echo 0)
+size=$(stat -c %s "$log" 2>/dev/null || echo 0)
+if [ "$size" -gt "$offset" ]; then
+  # At most 1 MiB per call, and only whole lines: the next call prints the rest.
+  chunk=$(tail -c +"$((offset + 1))" "$log" | head -c 1048576; printf x)
+  chunk=${chunk%x}
+  if [[ "$chunk" == *$'\n'* ]]; then
+    lines=${chunk%$'\n'*}
+    printf '%s\n' "$lines"
+    echo "$((offset + ${#lines} + 1))" >"$cursor"
+  fi
+fi
+
+last=$(grep -a 'completed step: ' "$log" 2>/dev/null | tail -n 1 || true)
+last_step=$(sed -n 's/.*completed step: \([0-9]*\).*/\1/p' <<<"$last")
+last_loss=$(sed -n 's/.*[ ,]loss: \([^ ,]*\).*/\1/p' <<<"$last")
+exit_code=$(cat "$job_dir/exit_code" 2>/dev/null || echo none)
+
+if [ "$exit_code" = none ]; then
+  if kill -0 "$(cat "$job_dir/pid")" 2>/dev/null; then
+    state=running
+  else
+    state=failed  # killed without a chance to write its exit code
+  fi
+elif [ "$exit_code" = 0 ] && [ -d "$checkpoints_dir/$steps/model_params" ]; then
+  state=succeeded
+else
+  state=failed
+fi
+
+if [ "$state" = failed ]; then
+  echo "--- tail of $log"
+  tail -n 40 "$log" 2>/dev/null || true
+fi
+echo "MAXTEXT_SFT_STATUS state=$state exit_code=$exit_code last_step=${last_step:-none} last_loss=${last_loss:-none}"

@@ -1,0 +1,120 @@
+"""SSH to the fine-tuning VM: upload the step scripts, run one, stream its output.
+
+Built on the SSH provider's `SSHHook` (connection: login = the VM user, extra `private_key`,
+host-key settings). The remote host is the VM's address, known only at run time, so it is
+passed in rather than stored on the connection.
+"""
+
+from __future__ import annotations
+
+import io
+import select
+import time
+from collections.abc import Callable, Mapping
+from pathlib import PurePosixPath
+
+from airflow.providers.ssh.hooks.ssh import SSHHook
+
+# Where the step scripts live on the VM, relative to the user's home (SFTP starts there).
+REMOTE_SCRIPT_DIR = ".maxtext-sft/bin"
+
+
+class RemoteCommandError(RuntimeError):
+    """A remote step exited non-zero or ran past its deadline."""
+
+    def __init__(self, message: str, exit_status: int | None, tail: list[str]):
+        super().__init__(message)
+        self.exit_status = exit_status
+        self.tail = tail
+
+
+class VmSSHHook(SSHHook):
+    """One SSH client to one VM; no inactivity timeout, since real steps are silent for minutes."""
+
+    def __init__(self, *, ssh_conn_id: str, remote_host: str, conn_timeout: int = 30, **kwargs):
+        # Keepalives keep NAT and load balancers from dropping a connection that is silent for minutes.
+        super().__init__(
+            ssh_conn_id=ssh_conn_id,
+            remote_host=remote_host,
+            conn_timeout=conn_timeout,
+            banner_timeout=conn_timeout,
+            auth_timeout=conn_timeout,
+            keepalive_interval=30,
+            cmd_timeout=None,
+            **kwargs,
+        )
+        self.look_for_keys = False  # only the connection's key, never whatever is in the worker's ~/.ssh
+
+    def upload_scripts(self, scripts: Mapping[str, bytes]) -> None:
+        """Copy the step scripts to REMOTE_SCRIPT_DIR (overwriting: the DAG's version wins)."""
+        sftp = self.get_conn().open_sftp()
+        try:
+            path = PurePosixPath()
+            for part in PurePosixPath(REMOTE_SCRIPT_DIR).parts:
+                path = path / part
+                try:
+                    sftp.stat(str(path))
+                except FileNotFoundError:
+                    sftp.mkdir(str(path), mode=0o700)
+            for name, content in scripts.items():
+                remote = f"{REMOTE_SCRIPT_DIR}/{name}"
+                sftp.putfo(io.BytesIO(content), remote)
+                sftp.chmod(remote, 0o700)
+        finally:
+            sftp.close()
+
+    def run_command(
+        self,
+        command: str,
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        on_line: Callable[[str], None],
+        tail_lines: int = 40,
+    ) -> tuple[int, list[str]]:
+        """Run `command` (already quoted), feed `stdin`, call `on_line` per output line.
+
+        Returns the exit status and the last `tail_lines` lines. Raises RemoteCommandError past `timeout` seconds in total.
+        `stdin` is how secrets travel: never on the command line, never in the log.
+        """
+        channel = self.get_conn().get_transport().open_session()
+        channel.set_combine_stderr(True)
+        channel.exec_command(command)
+        if stdin:
+            channel.sendall(stdin)
+        channel.shutdown_write()
+        deadline = time.monotonic() + timeout
+        pending = b""
+        tail: list[str] = []
+
+        def emit(raw: bytes) -> None:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r")
+            tail.append(line)
+            del tail[:-tail_lines]
+            on_line(line)
+
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RemoteCommandError(
+                        f"remote command still running after {timeout:.0f} s", None, list(tail)
+                    )
+                select.select([channel], [], [], min(remaining, 5.0))
+                while channel.recv_ready():
+                    pending += channel.recv(65536)
+                    *lines, pending = pending.split(b"\n")
+                    for raw in lines:
+                        emit(raw)
+                if channel.exit_status_ready() and not channel.recv_ready():
+                    break
+            while chunk := channel.recv(65536):  # whatever arrived between the last read and exit
+                pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines + ([pending] if pending else []):
+                emit(raw)
+            status = channel.recv_exit_status()
+        finally:
+            channel.close()
+        return status, tail
+

@@ -1,0 +1,103 @@
+"""The pipeline DAG's Params: the tutorial's values as defaults, grouped for the trigger form.
+
+The JSON schema here gives the trigger form its types and help; `spec.build_run_spec` is the
+check that counts (it also runs on scheduled runs and on conf sent through the API).
+"""
+
+from __future__ import annotations
+
+from airflow.sdk import Param
+from maxtext_sft.spec import TPU_TOPOLOGIES, TUTORIAL_DEFAULTS as D
+
+CLOUD = "Google Cloud"
+VM = "TPU VM"
+MODEL = "Model and data"
+MAXTEXT = "MaxText"
+TIMING = "Timeouts and polling"
+
+
+def _param(name: str, type_, description: str, section: str, **schema) -> Param:
+    return Param(D[name], type=type_, description=description, section=section, **schema)
+
+
+def pipeline_params() -> dict[str, Param]:
+    return {
+        "project_id": _param(
+            "project_id", ["null", "string"], "Project of the VM; empty: the Google connection's project.", CLOUD
+        ),
+        "zone": _param("zone", "string", "Zone of the VM and the reservation (tutorial: ZONE).", CLOUD),
+        "reservation": _param(
+            "reservation", ["null", "string"], "Capacity reservation the VM is bound to (required).", CLOUD
+        ),
+        "network": _param("network", "string", "VPC network (tutorial: NETWORK=default).", CLOUD),
+        "network_tag": _param(
+            "network_tag", "string", "Network tag on every VM of this pipeline, for firewall rules.", CLOUD
+        ),
+        "service_account": _param(
+            "service_account", "string", "Service account of the VM ('default': the project's).", CLOUD
+        ),
+        "vm_name_prefix": _param(
+            "vm_name_prefix", "string", "VM names are PREFIX-<run hash>-g<generation>.", VM, maxLength=40
+        ),
+        "machine_type": _param(
+            "machine_type", "string", "TPU machine type (v6e-8: ct6e-standard-8t).", VM, enum=sorted(TPU_TOPOLOGIES)
+        ),
+        "image_project": _param("image_project", "string", "Project of the boot image.", VM),
+        "image_family": _param("image_family", "string", "Image family of the boot disk.", VM),
+        "boot_disk_size_gb": _param("boot_disk_size_gb", "integer", "Boot disk size in GB.", VM, minimum=10),
+        "use_internal_ip": _param(
+            "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
+        ),
+        "model_name": _param("model_name", "string", "MaxText model name (MODEL_NAME).", MODEL),
+        "dataset_name": _param("dataset_name", "string", "Hugging Face dataset id (DATASET_NAME).", MODEL),
+        "dataset_revision": _param(
+            "dataset_revision", ["null", "string"], "Dataset branch, tag or commit; empty: latest.", MODEL
+        ),
+        "train_split": _param("train_split", "string", "Dataset split to train on (TRAIN_SPLIT).", MODEL),
+        "train_data_columns": _param(
+            "train_data_columns", "array", "Dataset columns (TRAIN_DATA_COLUMNS).", MODEL, items={"type": "string"}
+        ),
+        "steps": _param("steps", "integer", "Training steps (STEPS).", MODEL, minimum=1),
+        "per_device_batch_size": _param(
+            "per_device_batch_size", "integer", "Per-device batch size (PER_DEVICE_BATCH_SIZE).", MODEL, minimum=1
+        ),
+        "maxtext_version": _param("maxtext_version", "string", "maxtext[tpu-post-train] version.", MAXTEXT),
+        "work_dir": _param(
+            "work_dir", "string", "Folder on the VM for the venv and training logs (~ is the home).", MAXTEXT
+        ),
+        "use_pathways": _param("use_pathways", "boolean", "Pathways (USE_PATHWAYS=1) or McJAX (0).", MAXTEXT),
+        "lazy_load_tensors": _param(
+            "lazy_load_tensors", "boolean", "Lazy tensor loading during conversion.", MAXTEXT
+        ),
+        "convert_extra_args": _param(
+            "convert_extra_args",
+            "array",
+            "Extra to_maxtext arguments: key=value or --flag=value.",
+            MAXTEXT,
+            items={"type": "string"},
+        ),
+        "train_extra_args": _param(
+            "train_extra_args", "array", "Extra train_sft arguments: key=value.", MAXTEXT, items={"type": "string"}
+        ),
+        "export_extra_args": _param(
+            "export_extra_args", "array", "Extra to_huggingface arguments: key=value.", MAXTEXT, items={"type": "string"}
+        ),
+        "ssh_connect_timeout_seconds": _param(
+            "ssh_connect_timeout_seconds", "integer", "SSH connect/banner/auth timeout.", TIMING, minimum=1
+        ),
+        "install_timeout_minutes": _param(
+            "install_timeout_minutes", "integer", "Limit for the install step.", TIMING, minimum=1
+        ),
+        "convert_timeout_minutes": _param(
+            "convert_timeout_minutes", "integer", "Limit for the conversion step.", TIMING, minimum=1
+        ),
+        "export_timeout_minutes": _param(
+            "export_timeout_minutes", "integer", "Limit for the export step.", TIMING, minimum=1
+        ),
+        "training_timeout_hours": _param(
+            "training_timeout_hours", "integer", "Limit for waiting on training.", TIMING, minimum=1
+        ),
+        "poke_interval_seconds": _param(
+            "poke_interval_seconds", "integer", "How often the training is checked.", TIMING, minimum=1
+        ),
+    }

@@ -1,0 +1,133 @@
+"""Sensors that watch the run's VM: SSH reachability, and the training started on it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from datetime import timedelta
+
+import paramiko
+from google.api_core.exceptions import NotFound
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.operators.vm_script import vm_address
+from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_steps import STEPS, remote_command, script_files
+
+STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
+STEP_LINE = re.compile(r"completed step: (\d+),.*?[ ,]loss: ([^ ,]+)")
+# Errors that mean "not reachable yet / right now", not "broken".
+TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
+
+
+class _VmSensor(BaseSensorOperator):
+    template_fields: Sequence[str] = ("spec",)
+
+    def __init__(self, *, spec, gcp_conn_id: str, ssh_conn_id: str, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.gcp_conn_id = gcp_conn_id
+        self.ssh_conn_id = ssh_conn_id
+
+    def _ssh_hook(self, spec: RunSpec) -> VmSSHHook:
+        try:
+            address = vm_address(spec, self.gcp_conn_id)
+        except NotFound:
+            raise AirflowFailException(f"VM {spec.vm_name} no longer exists") from None
+        # One connection attempt per poke: the sensor's own interval is the retry loop.
+        return VmSSHHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=address,
+            conn_timeout=spec.ssh_connect_timeout_seconds,
+            conn_retry_attempts=1,
+        )
+
+
+class VmSshReadySensor(_VmSensor):
+    """Wait until the VM accepts an SSH login as the pipeline's (non-root) user."""
+
+    def poke(self, context) -> bool:
+        spec = RunSpec.from_dict(self.spec)
+        try:
+            hook = self._ssh_hook(spec)
+            with hook.get_conn():
+                status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
+        except TRANSIENT_SSH_ERRORS as error:
+            self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
+            return False
+        return status == 0
+
+
+class TrainingCheckpointSensor(_VmSensor):
+    """Wait for the final checkpoint of the training started by start_training.sh.
+
+    Each poke is one short SSH call that returns the new training log lines (copied into this
+    task's log), the training process's state and exit code. It runs in reschedule mode, so no
+    worker slot is held in between. A training process that ended without its final checkpoint
+    fails the sensor at once, with the log's tail.
+    """
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("mode", "reschedule")
+        super().__init__(**kwargs)
+
+    def execute(self, context):
+        spec = RunSpec.from_dict(self.spec)
+        self.poke_interval = timedelta(seconds=spec.poke_interval_seconds).total_seconds()
+        self.timeout = timedelta(hours=spec.training_timeout_hours).total_seconds()
+        return super().execute(context)
+
+    def poke(self, context):
+        spec = RunSpec.from_dict(self.spec)
+        output: list[str] = []
+        try:
+            hook = self._ssh_hook(spec)
+            with hook.get_conn():
+                hook.upload_scripts(script_files())
+                status, _ = hook.run_command(
+                    remote_command("training_status", spec),
+                    timeout=STEPS["training_status"].timeout_seconds(spec),
+                    on_line=output.append,
+                )
+        except TRANSIENT_SSH_ERRORS as error:
+            self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
+            return False
+        if status != 0 or not output or not STATUS_LINE.match(output[-1]):
+            self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
+            return False
+        fields = dict(item.split("=", 1) for item in STATUS_LINE.match(output[-1]).group(1).split())
+        for line in output[:-1]:
+            self.log.info("%s", line)
+            if progress := STEP_LINE.search(line):
+                self.log.info("training progress: step %s, loss %s", *progress.groups())
+        state = fields.get("state")
+        if state == "running":
+            return False
+        if state == "succeeded":
+            result = {"final_step": _number(fields.get("last_step")), "final_loss": _number(fields.get("last_loss"))}
+            self.log.info("Training %s finished: %s", spec.run_name, result)
+            return PokeReturnValue(is_done=True, xcom_value=result)
+        tail = output[_tail_start(output) : -1]
+        raise AirflowFailException(
+            f"Training {spec.run_name} on {spec.vm_name} ended without its final checkpoint "
+            f"{spec.final_checkpoint_path} (exit code {fields.get('exit_code')}, last step "
+            f"{fields.get('last_step')}); last log lines:\n" + "\n".join(tail)
+        )
+
+
+def _tail_start(output: list[str]) -> int:
+    for index in range(len(output) - 1, -1, -1):
+        if output[index].startswith("--- tail of "):
+            return index + 1
+    return max(0, len(output) - 41)
+
+
+def _number(text: str | None) -> float | int | None:
+    if text in (None, "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)

@@ -1,0 +1,466 @@
+"""One run, one spec: everything a fine-tuning run needs, derived once from Params and run identity.
+
+`RunSpec` is a frozen dataclass built by `build_run_spec` from the validated Params, the DAG
+run's identity and the VM user's public key. Every later task reads it (through XCom) instead of
+deriving names and paths on its own, so a task retry sees exactly the same VM name, run_name and
+paths. It has no Airflow imports, so tests build specs without Airflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import shlex
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+PACKAGE_LABEL = "airflow-maxtext-sft"
+
+# Values the tutorial sets (../shared/seed/workflow.md); the DAG's Params default to these.
+TUTORIAL_DEFAULTS: dict[str, Any] = {
+    "project_id": None,  # None: the Google connection's project, as the provider's operators do
+    "zone": "us-east5-b",
+    "reservation": None,  # required: a reservation-bound VM needs one
+    "network": "default",
+    "network_tag": "maxtext-sft",
+    "vm_name_prefix": "maxtext-sft",
+    "machine_type": "ct6e-standard-8t",
+    "image_project": "ubuntu-os-accelerator-images",
+    "image_family": "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+    "boot_disk_size_gb": 200,
+    "service_account": "default",
+    "model_name": "gemma3-4b",
+    "steps": 1000,
+    "per_device_batch_size": 1,
+    "dataset_name": "HuggingFaceH4/ultrachat_200k",
+    "train_split": "train_sft",
+    "train_data_columns": ["messages"],
+    "dataset_revision": None,
+    "maxtext_version": "0.2.2",
+    "work_dir": "~",
+    "use_pathways": False,
+    "lazy_load_tensors": False,
+    "convert_extra_args": [],
+    "train_extra_args": [],
+    "export_extra_args": [],
+    "use_internal_ip": False,
+    "ssh_connect_timeout_seconds": 30,
+    "install_timeout_minutes": 60,
+    "convert_timeout_minutes": 60,
+    "export_timeout_minutes": 60,
+    "training_timeout_hours": 12,
+    "poke_interval_seconds": 60,
+}
+
+# TPU runtime environment per machine type (the tutorial's TPU_* exports for ct6e-standard-8t).
+TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
+    "ct6e-standard-8t": {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1"},
+    "ct6e-standard-4t": {"accelerator_type": "v6e-4", "topology": "2x2", "chips_per_host_bounds": "2,2,1"},
+    "ct6e-standard-1t": {"accelerator_type": "v6e-1", "topology": "1x1", "chips_per_host_bounds": "1,1,1"},
+}
+
+# MaxText arguments the pipeline itself sets; extra args may not override them.
+OWNED_KEYS: dict[str, frozenset[str]] = {
+    "convert": frozenset(
+        {"model_name", "base_output_directory", "hf_access_token", "lazy_load_tensors", "run_name"}
+    ),
+    "train": frozenset(
+        {
+            "run_name",
+            "base_output_directory",
+            "load_parameters_path",
+            "model_name",
+            "steps",
+            "hf_access_token",
+            "per_device_batch_size",
+            "hf_path",
+            "train_split",
+            "train_data_columns",
+        }
+    ),
+    "export": frozenset(
+        {"model_name", "load_parameters_path", "base_output_directory", "hf_access_token", "run_name"}
+    ),
+}
+
+GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+GCE_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[a-z][-a-z0-9.:]{0,61}[a-z0-9]$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+SAFE_TOKEN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAXTEXT_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){1,3}([a-z]+[0-9]*)?$")
+# A path on the VM: absolute, or under the home directory ("~" or "~/..."); no shell metacharacters.
+VM_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*|/[A-Za-z0-9._/-]+)$")
+# One MaxText argument: key=value or --flag=value; the value is data, quoted on the way to the VM.
+EXTRA_ARG = re.compile(r"^(--)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
+EMAIL = re.compile(r"^(default|[a-z0-9][-a-z0-9.]*@[a-z0-9][-a-z0-9.]*\.[a-z]+)$")
+SSH_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+
+
+class SpecError(ValueError):
+    """A Param or connection value that cannot make a valid run; the message names the field."""
+
+
+def _hash(text: str, length: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def label_value(text: str) -> str:
+    """A GCE label value (lowercase letters, digits, '-', '_'; at most 63) that still reads like `text`."""
+    value = re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Names, paths and arguments of one DAG run's fine-tune."""
+
+    dag_id: str
+    run_id: str
+    generation: int  # the DAG run's clear_number: a cleared run trains again under a new run_name
+    project_id: str
+    zone: str
+    reservation: str
+    network: str
+    network_tag: str
+    vm_name: str
+    machine_type: str
+    image_project: str
+    image_family: str
+    boot_disk_size_gb: int
+    service_account: str
+    ssh_user: str
+    ssh_public_key: str
+    model_name: str
+    steps: int
+    per_device_batch_size: int
+    dataset_name: str
+    train_split: str
+    train_data_columns: tuple[str, ...]
+    dataset_revision: str | None
+    maxtext_version: str
+    work_dir: str
+    use_pathways: bool
+    lazy_load_tensors: bool
+    run_name: str
+    convert_extra_args: tuple[str, ...]
+    train_extra_args: tuple[str, ...]
+    export_extra_args: tuple[str, ...]
+    use_internal_ip: bool
+    ssh_connect_timeout_seconds: int
+    install_timeout_minutes: int
+    convert_timeout_minutes: int
+    export_timeout_minutes: int
+    training_timeout_hours: int
+    poke_interval_seconds: int
+
+    # Paths on the VM (the tutorial's /dev/shm layout).
+    @property
+    def scratch_dir(self) -> str:
+        return f"/dev/shm/{self.model_name}"
+
+    @property
+    def maxtext_checkpoint_dir(self) -> str:
+        return f"{self.scratch_dir}/mt-format/"
+
+    @property
+    def train_output_dir(self) -> str:
+        return f"{self.scratch_dir}/post-train/"
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return f"{self.train_output_dir}{self.run_name}/checkpoints"
+
+    @property
+    def final_checkpoint_path(self) -> str:
+        return f"{self.checkpoints_dir}/{self.steps}/model_params"
+
+    @property
+    def hf_export_dir(self) -> str:
+        return f"{self.scratch_dir}/hf-trained/"
+
+    @property
+    def request_id(self) -> str:
+        """Insert request id: a retried insert of the same VM is a no-op on the API side."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.project_id}/{self.zone}/{self.vm_name}"))
+
+    @property
+    def tpu(self) -> dict[str, str]:
+        return TPU_TOPOLOGIES[self.machine_type]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            "managed-by": PACKAGE_LABEL,
+            "airflow-dag": label_value(self.dag_id),
+            "airflow-run": _hash(self.run_id, 16),
+            "generation": str(self.generation),
+        }
+
+    # MaxText command lines (the tutorial's, with the token left to the environment).
+    def convert_args(self) -> list[str]:
+        zarr_ocdbt = str(0 if self.use_pathways else 1)
+        return [
+            f"model_name={self.model_name}",
+            f"base_output_directory={self.maxtext_checkpoint_dir}",
+            "scan_layers=True",
+            "use_multimodal=False",
+            "hardware=cpu",
+            "skip_jax_distributed_system=true",
+            f"checkpoint_storage_use_zarr3={zarr_ocdbt}",
+            f"checkpoint_storage_use_ocdbt={zarr_ocdbt}",
+            f"--lazy_load_tensors={self.lazy_load_tensors}",
+            *self.convert_extra_args,
+        ]
+
+    def train_args(self) -> list[str]:
+        columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
+        args = [
+            f"run_name={self.run_name}",
+            f"base_output_directory={self.train_output_dir}",
+            f"model_name={self.model_name}",
+            f"load_parameters_path={self.maxtext_checkpoint_dir}0/items",
+            f"per_device_batch_size={self.per_device_batch_size}",
+            f"steps={self.steps}",
+            f"hf_path={self.dataset_name}",
+            f"train_split={self.train_split}",
+            f"train_data_columns={columns}",
+            "profiler=xplane",
+        ]
+        if self.dataset_revision:
+            # MaxText's loader takes no revision; revision-pinned files pin the snapshot instead.
+            args.append(
+                f"hf_train_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}"
+                f"/data/{self.train_split}-*.parquet"
+            )
+        return args + list(self.train_extra_args)
+
+    def export_args(self) -> list[str]:
+        return [
+            f"model_name={self.model_name}",
+            f"load_parameters_path={self.final_checkpoint_path}",
+            f"base_output_directory={self.hf_export_dir}",
+            "scan_layers=True",
+            "use_multimodal=False",
+            "weight_dtype=bfloat16",
+            *self.export_extra_args,
+        ]
+
+    def instance_body(self) -> dict[str, Any]:
+        """The insert request body: the tutorial's gcloud request, with the differences commented.
+
+        Field names are google-cloud-compute's (snake_case); on the wire they become the REST API's
+        camelCase. URLs are partial: the client library resolves them against its endpoint.
+        """
+        project, zone = self.project_id, self.zone
+        return {
+            "name": self.vm_name,  # per DAG run, instead of the tutorial's fixed NAME
+            "machine_type": f"projects/{project}/zones/{zone}/machineTypes/{self.machine_type}",
+            "can_ip_forward": False,
+            "deletion_protection": False,
+            "disks": [
+                {
+                    "auto_delete": True,
+                    "boot": True,
+                    "initialize_params": {
+                        "disk_size_gb": self.boot_disk_size_gb,
+                        "source_image": (
+                            f"projects/{self.image_project}/zones/-/imageFamilyViews/{self.image_family}"
+                        ),
+                    },
+                    "mode": "READ_WRITE",
+                    "type_": "PERSISTENT",
+                }
+            ],
+            "network_interfaces": [
+                {
+                    "access_configs": [{"name": "external-nat", "type_": "ONE_TO_ONE_NAT"}],
+                    "network": f"projects/{project}/global/networks/{self.network}",
+                }
+            ],
+            "reservation_affinity": {
+                "consume_reservation_type": "SPECIFIC_RESERVATION",
+                "key": "compute.googleapis.com/reservation-name",
+                "values": [self.reservation],
+            },
+            "scheduling": {
+                "automatic_restart": True,
+                "instance_termination_action": "DELETE",
+                "on_host_maintenance": "TERMINATE",
+                "provisioning_model": "RESERVATION_BOUND",
+            },
+            # A stable tag a firewall rule can target, instead of the per-run VM name.
+            "tags": {"items": [self.network_tag]},
+            # Identify the package, DAG and run, so a janitor can find VMs whose run is gone.
+            "labels": self.labels,
+            # The pipeline's SSH key (the guest agent creates the user), and the full run identity
+            # that label values cannot hold; gcloud sent an empty metadata object.
+            "metadata": {
+                "items": [
+                    {"key": "ssh-keys", "value": f"{self.ssh_user}:{self.ssh_public_key} {self.ssh_user}"},
+                    {"key": "airflow-dag-id", "value": self.dag_id},
+                    {"key": "airflow-run-id", "value": self.run_id},
+                ]
+            },
+            # gcloud attaches the project's default service account; the capture endpoint had none.
+            # cloud-platform scope so the VM can write its outputs to storage (IAM still decides).
+            "service_accounts": [
+                {"email": self.service_account, "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
+            ],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for key, value in data.items():
+            if isinstance(value, tuple):
+                data[key] = list(value)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+        return cls(**values)
+
+
+def _require(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], what: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not pattern.match(value):
+        raise SpecError(f"Param {name!r}: {value!r} is not {what}")
+    return value
+
+
+def _int_in(params: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SpecError(f"Param {name!r}: {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _bool(params: Mapping[str, Any], name: str) -> bool:
+    value = params.get(name)
+    if not isinstance(value, bool):
+        raise SpecError(f"Param {name!r}: {value!r} is not true or false")
+    return value
+
+
+def validate_extra_args(step: str, args: Any) -> tuple[str, ...]:
+    """Extra MaxText arguments: `key=value` or `--flag=value`, never a key the pipeline owns."""
+    name = f"{step}_extra_args"
+    if not isinstance(args, (list, tuple)):
+        raise SpecError(f"Param {name!r}: expected a list of 'key=value' strings, got {args!r}")
+    checked = []
+    for arg in args:
+        match = EXTRA_ARG.match(arg) if isinstance(arg, str) else None
+        if not match:
+            raise SpecError(f"Param {name!r}: {arg!r} is not 'key=value' or '--flag=value'")
+        key = match.group(2)
+        if key in OWNED_KEYS[step]:
+            raise SpecError(f"Param {name!r}: {key!r} is set by the pipeline and cannot be overridden")
+        if "\x00" in arg or len(arg) > 4096:
+            raise SpecError(f"Param {name!r}: {arg[:40]!r}... has a NUL byte or is over 4096 characters")
+        checked.append(arg)
+    return tuple(checked)
+
+
+def vm_name_for(prefix: str, dag_id: str, run_id: str, generation: int) -> str:
+    """A valid GCE name, unique per DAG run and generation, identical on every task retry."""
+    return f"{prefix}-{_hash(f'{dag_id}/{run_id}', 10)}-g{generation}"
+
+
+def run_name_for(dag_id: str, run_id: str, generation: int, started: datetime) -> str:
+    """MaxText's run_name: the tutorial's timestamp, made unique per DAG run and generation."""
+    return f"{started:%Y-%m-%d-%H-%M-%S}-{_hash(f'{dag_id}/{run_id}', 8)}-g{generation}"
+
+
+def build_run_spec(
+    params: Mapping[str, Any],
+    *,
+    dag_id: str,
+    run_id: str,
+    generation: int,
+    started: datetime,
+    default_project_id: str | None,
+    ssh_user: str,
+    ssh_public_key: str,
+) -> RunSpec:
+    """Validate every Param and derive the run's spec; raises SpecError naming the first bad field."""
+    p = {**TUTORIAL_DEFAULTS, **params}
+    project_id = p["project_id"] or default_project_id
+    if not isinstance(project_id, str) or not PROJECT_ID.match(project_id):
+        raise SpecError(
+            f"Param 'project_id': {project_id!r} is not a Google Cloud project id "
+            "(set the Param or the Google connection's project)"
+        )
+    if p["reservation"] is None:
+        raise SpecError("Param 'reservation': required (the VM is RESERVATION_BOUND)")
+    reservation = _require(p, "reservation", GCE_NAME, "a reservation name")
+    machine_type = _require(p, "machine_type", GCE_NAME, "a machine type")
+    if machine_type not in TPU_TOPOLOGIES:
+        raise SpecError(f"Param 'machine_type': {machine_type!r} is not one of {sorted(TPU_TOPOLOGIES)}")
+    prefix = _require(p, "vm_name_prefix", GCE_NAME, "a GCE name prefix")
+    if len(prefix) > 40:
+        raise SpecError("Param 'vm_name_prefix': at most 40 characters (the run suffix takes the rest)")
+    columns = p["train_data_columns"]
+    if not isinstance(columns, (list, tuple)) or not columns:
+        raise SpecError(f"Param 'train_data_columns': {columns!r} is not a non-empty list of column names")
+    for column in columns:
+        if not isinstance(column, str) or not SAFE_TOKEN.match(column):
+            raise SpecError(f"Param 'train_data_columns': {column!r} is not a column name")
+    revision = p["dataset_revision"]
+    if revision is not None and (not isinstance(revision, str) or not SAFE_TOKEN.match(revision)):
+        raise SpecError(f"Param 'dataset_revision': {revision!r} is not a branch, tag or commit id")
+    if not SSH_USER.match(ssh_user) or ssh_user == "root":
+        raise SpecError(
+            f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)"
+        )
+    if not re.match(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+$", ssh_public_key):
+        raise SpecError("SSH connection: the private key does not give a usable public key")
+    return RunSpec(
+        dag_id=dag_id,
+        run_id=run_id,
+        generation=generation,
+        project_id=project_id,
+        zone=_require(p, "zone", GCE_ZONE, "a zone such as us-east5-b"),
+        reservation=reservation,
+        network=_require(p, "network", GCE_NAME, "a network name"),
+        network_tag=_require(p, "network_tag", GCE_NAME, "a network tag"),
+        vm_name=vm_name_for(prefix, dag_id, run_id, generation),
+        machine_type=machine_type,
+        image_project=_require(p, "image_project", PROJECT_ID, "an image project"),
+        image_family=_require(p, "image_family", GCE_NAME, "an image family"),
+        boot_disk_size_gb=_int_in(p, "boot_disk_size_gb", 10, 65536),
+        service_account=_require(p, "service_account", EMAIL, "'default' or a service account email"),
+        ssh_user=ssh_user,
+        ssh_public_key=ssh_public_key,
+        model_name=_require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b"),
+        steps=_int_in(p, "steps", 1, 10_000_000),
+        per_device_batch_size=_int_in(p, "per_device_batch_size", 1, 4096),
+        dataset_name=_require(p, "dataset_name", HUB_ID, "a Hugging Face dataset id (owner/name)"),
+        train_split=_require(p, "train_split", SAFE_TOKEN, "a split name"),
+        train_data_columns=tuple(columns),
+        dataset_revision=revision,
+        maxtext_version=_require(p, "maxtext_version", MAXTEXT_VERSION, "a MaxText version such as 0.2.2"),
+        work_dir=_require(p, "work_dir", VM_PATH, "an absolute path or one under ~ on the VM"),
+        use_pathways=_bool(p, "use_pathways"),
+        lazy_load_tensors=_bool(p, "lazy_load_tensors"),
+        run_name=run_name_for(dag_id, run_id, generation, started),
+        convert_extra_args=validate_extra_args("convert", p["convert_extra_args"]),
+        train_extra_args=validate_extra_args("train", p["train_extra_args"]),
+        export_extra_args=validate_extra_args("export", p["export_extra_args"]),
+        use_internal_ip=_bool(p, "use_internal_ip"),
+        ssh_connect_timeout_seconds=_int_in(p, "ssh_connect_timeout_seconds", 1, 600),
+        install_timeout_minutes=_int_in(p, "install_timeout_minutes", 1, 24 * 60),
+        convert_timeout_minutes=_int_in(p, "convert_timeout_minutes", 1, 24 * 60),
+        export_timeout_minutes=_int_in(p, "export_timeout_minutes", 1, 24 * 60),
+        training_timeout_hours=_int_in(p, "training_timeout_hours", 1, 24 * 14),
+        poke_interval_seconds=_int_in(p, "poke_interval_seconds", 1, 3600),
+    )
+
+
+def quote_args(args: Sequence[str]) -> str:
+    """Shell-quote a list of arguments for a remote POSIX shell."""
+    return " ".join(shlex.quote(a) for a in args)

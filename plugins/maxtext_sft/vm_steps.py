@@ -1,0 +1,83 @@
+"""The remote steps: which script in include/vm runs, with which arguments, for a RunSpec.
+
+A remote command is always `bash <fixed script path> <shlex-quoted values>`: values are never
+formatted into shell code, so a value can only ever arrive at the script as data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+from maxtext_sft.hooks.vm_ssh import REMOTE_SCRIPT_DIR
+from maxtext_sft.spec import RunSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class VmStep:
+    script: str
+    arguments: Callable[[RunSpec], list[str]]
+    timeout_seconds: Callable[[RunSpec], float]
+    needs_hf_token: bool
+
+
+STEPS: dict[str, VmStep] = {
+    "install": VmStep(
+        script="install_maxtext.sh",
+        arguments=lambda s: [s.work_dir, s.maxtext_version],
+        timeout_seconds=lambda s: s.install_timeout_minutes * 60,
+        needs_hf_token=False,
+    ),
+    "convert": VmStep(
+        script="convert_to_maxtext.sh",
+        arguments=lambda s: [s.work_dir, s.maxtext_checkpoint_dir, *s.convert_args()],
+        timeout_seconds=lambda s: s.convert_timeout_minutes * 60,
+        needs_hf_token=True,
+    ),
+    "start_training": VmStep(
+        script="start_training.sh",
+        arguments=lambda s: [
+            s.work_dir,
+            s.run_name,
+            s.tpu["accelerator_type"],
+            s.tpu["topology"],
+            s.tpu["chips_per_host_bounds"],
+            *s.train_args(),
+        ],
+        timeout_seconds=lambda s: 300,
+        needs_hf_token=True,
+    ),
+    "training_status": VmStep(
+        script="training_status.sh",
+        arguments=lambda s: [s.work_dir, s.run_name, s.checkpoints_dir, str(s.steps)],
+        timeout_seconds=lambda s: 120,
+        needs_hf_token=False,
+    ),
+    "export": VmStep(
+        script="export_to_hf.sh",
+        arguments=lambda s: [s.work_dir, s.final_checkpoint_path, s.hf_export_dir, *s.export_args()],
+        timeout_seconds=lambda s: s.export_timeout_minutes * 60,
+        needs_hf_token=True,
+    ),
+}
+
+
+def include_dir() -> Path:
+    """include/vm beside plugins/ (the Astronomer layout); MAXTEXT_SFT_INCLUDE_DIR overrides it."""
+    override = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "include" / "vm"
+
+
+def script_files() -> dict[str, bytes]:
+    """Every step script plus lib.sh: uploaded together, so a step never meets a stale helper."""
+    folder = include_dir()
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("*.sh"))}
+
+
+def remote_command(step: str, spec: RunSpec) -> str:
+    vm_step = STEPS[step]
+    words = ["bash", f"{REMOTE_SCRIPT_DIR}/{vm_step.script}", *vm_step.arguments(spec)]
+    return shlex.join(words)

@@ -1,0 +1,105 @@
+"""DAG integrity: it parses cleanly, without I/O, and its shape is the one the pipeline promises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from maxtext_sft.spec import TUTORIAL_DEFAULTS
+from tests.conftest import REPO
+
+TASK_ORDER = [
+    "plan_run",
+    "vm_lease",
+    "create_vm",
+    "wait_for_ssh",
+    "install_maxtext",
+    "convert_checkpoint",
+    "start_training",
+    "wait_for_final_checkpoint",
+    "export_to_hf",
+    "delete_vm",
+]
+
+
+@pytest.fixture(scope="module")
+def dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(str(REPO / "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["maxtext_sft"]
+
+
+def test_parses_without_network_database_connections_or_variables():
+    """Import the DAG file with every kind of remote or slow access turned into an error."""
+    guard = textwrap.dedent(
+        f"""
+        import socket, sys
+        import sqlalchemy.engine
+        from airflow.sdk import BaseHook, Variable  # Airflow itself is imported before the guards
+        def refuse(*args, **kwargs):
+            raise RuntimeError("I/O at DAG parse time")
+        socket.socket.connect = refuse
+        socket.create_connection = refuse
+        socket.getaddrinfo = refuse
+        sqlalchemy.engine.Engine.connect = refuse
+        sqlalchemy.engine.Engine.raw_connection = refuse
+        BaseHook.get_connection = classmethod(refuse)
+        Variable.get = staticmethod(refuse)
+        sys.path.insert(0, {str(REPO / "plugins")!r})
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("dag_file", {str(REPO / "dags" / "maxtext_sft.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        print("TASKS", len(module.dag.task_dict))
+        """
+    )
+    env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "sqlite:////nonexistent-dir/airflow.db"}
+    result = subprocess.run([sys.executable, "-c", guard], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TASKS 10" in result.stdout
+
+
+def test_tasks_run_in_the_tutorials_order(dag):
+    assert [t.task_id for t in dag.topological_sort()] == TASK_ORDER
+    for upstream, downstream in zip(TASK_ORDER, TASK_ORDER[1:]):
+        assert downstream in dag.get_task(upstream).downstream_task_ids
+
+
+def test_delete_runs_in_every_outcome_without_deciding_the_run_state(dag):
+    delete = dag.get_task("delete_vm")
+    lease = dag.get_task("vm_lease")
+    assert delete.is_teardown and lease.is_setup
+    assert not dag.get_task("create_vm").is_setup  # a failed create must not skip the delete
+    assert delete.trigger_rule == "all_done_setup_success"
+    assert delete.on_failure_fail_dagrun
+    assert "vm_lease" in delete.upstream_task_ids
+
+
+def test_tags_retries_and_waiting_modes(dag):
+    assert set(dag.tags) >= {"maxtext", "sft", "tpu"}
+    assert dag.schedule is None or str(dag.timetable.summary) in ("None",)
+    for task in dag.tasks:
+        if task.task_id in ("plan_run", "vm_lease"):
+            continue
+        assert task.retries >= 1, task.task_id
+    assert dag.get_task("plan_run").retries == 0  # bad input is not retried
+    assert dag.get_task("wait_for_final_checkpoint").mode == "reschedule"
+    assert dag.dagrun_timeout is None  # a run timeout would skip the delete (apache/airflow#30264)
+
+
+def test_params_cover_the_tutorial_with_its_defaults(dag):
+    params = dag.params
+    assert set(params.keys()) == set(TUTORIAL_DEFAULTS)
+    for name, default in TUTORIAL_DEFAULTS.items():
+        assert params[name] == default, name
+    for name in params.keys():
+        assert params.get_param(name).description, name
+    assert params["machine_type"] == "ct6e-standard-8t"
+    assert params["image_family"] == "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
+    assert params["dataset_name"] == "HuggingFaceH4/ultrachat_200k"

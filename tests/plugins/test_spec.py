@@ -1,0 +1,161 @@
+"""RunSpec: validation, naming and command building, without Airflow or a cloud."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+import pytest
+
+from maxtext_sft.spec import (
+    GCE_NAME,
+    OWNED_KEYS,
+    TUTORIAL_DEFAULTS,
+    RunSpec,
+    SpecError,
+    build_run_spec,
+)
+
+STARTED = datetime(2026, 11, 29, 22, 29, 25, tzinfo=timezone.utc)
+RUN_ID = "manual__2026-11-29T22:29:25.123+00:00"
+
+
+def make_spec(generation: int = 0, run_id: str = RUN_ID, **params) -> RunSpec:
+    return build_run_spec(
+        {"reservation": "my-reservation", **params},
+        dag_id="maxtext_sft",
+        run_id=run_id,
+        generation=generation,
+        started=STARTED,
+        default_project_id="my-project",
+        ssh_user="maxtext",
+        ssh_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample",
+    )
+
+
+def test_names_are_valid_stable_and_change_with_the_generation():
+    spec = make_spec()
+    assert GCE_NAME.match(spec.vm_name) and len(spec.vm_name) <= 63
+    assert make_spec().vm_name == spec.vm_name  # a retry derives the same name
+    assert make_spec().run_name == spec.run_name
+    assert make_spec(generation=1).run_name != spec.run_name  # a cleared run trains again
+    assert make_spec(generation=1).vm_name != spec.vm_name
+    assert make_spec(run_id="manual__other").vm_name != spec.vm_name
+    assert spec.run_name.startswith("2026-11-29-22-29-25-")
+
+
+def test_labels_are_valid_gce_labels_and_identify_the_run():
+    labels = make_spec().labels
+    assert labels["managed-by"] == "airflow-maxtext-sft"
+    assert labels["airflow-dag"] == "maxtext_sft"
+    for key, value in labels.items():
+        assert re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", key)
+        assert re.fullmatch(r"[a-z0-9_-]{0,63}", value)
+    assert make_spec(run_id="scheduled__x").labels["airflow-run"] != labels["airflow-run"]
+
+
+def test_round_trips_through_xcom_json():
+    spec = make_spec(train_extra_args=["attention=dot_product"])
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_train_command_matches_the_tutorial():
+    spec = make_spec()
+    assert spec.train_args() == [
+        f"run_name={spec.run_name}",
+        "base_output_directory=/dev/shm/gemma3-4b/post-train/",
+        "model_name=gemma3-4b",
+        "load_parameters_path=/dev/shm/gemma3-4b/mt-format/0/items",
+        "per_device_batch_size=1",
+        "steps=1000",
+        "hf_path=HuggingFaceH4/ultrachat_200k",
+        "train_split=train_sft",
+        "train_data_columns=['messages']",
+        "profiler=xplane",
+    ]
+    assert spec.final_checkpoint_path == f"/dev/shm/gemma3-4b/post-train/{spec.run_name}/checkpoints/1000/model_params"
+    assert "checkpoint_storage_use_zarr3=1" in spec.convert_args()
+    assert "checkpoint_storage_use_zarr3=0" in make_spec(use_pathways=True).convert_args()
+    assert not any("hf_access_token" in a for a in spec.convert_args() + spec.train_args() + spec.export_args())
+
+
+@pytest.mark.parametrize("step", sorted(OWNED_KEYS))
+def test_extra_args_cannot_override_what_the_pipeline_owns(step):
+    for key in sorted(OWNED_KEYS[step]):
+        for arg in (f"{key}=x", f"--{key}=x"):
+            with pytest.raises(SpecError, match=f"{step}_extra_args.*{key}"):
+                make_spec(**{f"{step}_extra_args": [arg]})
+
+
+@pytest.mark.parametrize("bad", ["no_equals", "=x", "1abc=2", "a b=c", 5])
+def test_extra_args_must_be_key_value(bad):
+    with pytest.raises(SpecError, match="train_extra_args"):
+        make_spec(train_extra_args=[bad])
+
+
+def test_extra_args_keep_values_as_data():
+    spec = make_spec(train_extra_args=["learning_rate=1e-5", "--flag=a b; $(x)"])
+    assert spec.train_args()[-2:] == ["learning_rate=1e-5", "--flag=a b; $(x)"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("zone", "us east"),
+        ("reservation", "Bad_Reservation"),
+        ("machine_type", "n2-standard-8"),
+        ("steps", 0),
+        ("steps", "1000"),
+        ("per_device_batch_size", True),
+        ("dataset_name", "not a hub id"),
+        ("work_dir", "relative/dir"),
+        ("work_dir", "~/$(reboot)"),
+        ("train_data_columns", []),
+        ("train_data_columns", ["mess'ages"]),
+        ("dataset_revision", "main; rm -rf /"),
+        ("maxtext_version", "latest"),
+        ("vm_name_prefix", "UPPER"),
+        ("use_pathways", "yes"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(field, value):
+    with pytest.raises(SpecError, match=f"'{field}'"):
+        make_spec(**{field: value})
+
+
+def test_reservation_is_required():
+    with pytest.raises(SpecError, match="'reservation'"):
+        build_run_spec(
+            {},
+            dag_id="d",
+            run_id="r",
+            generation=0,
+            started=STARTED,
+            default_project_id="my-project",
+            ssh_user="maxtext",
+            ssh_public_key="ssh-ed25519 AAAA",
+        )
+
+
+def test_root_is_refused_as_vm_user():
+    with pytest.raises(SpecError, match="non-root"):
+        build_run_spec(
+            {"reservation": "r"},
+            dag_id="d",
+            run_id="r",
+            generation=0,
+            started=STARTED,
+            default_project_id="my-project",
+            ssh_user="root",
+            ssh_public_key="ssh-ed25519 AAAA",
+        )
+
+
+def test_defaults_are_the_tutorials():
+    assert TUTORIAL_DEFAULTS["machine_type"] == "ct6e-standard-8t"
+    assert TUTORIAL_DEFAULTS["steps"] == 1000
+    spec = make_spec()
+    assert spec.tpu == {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1"}
+    body = spec.instance_body()
+    assert body["scheduling"]["provisioning_model"] == "RESERVATION_BOUND"
+    assert body["scheduling"]["instance_termination_action"] == "DELETE"
