@@ -29,3 +29,10 @@ read_hf_token() {
     export HF_TOKEN
   fi
 }
+
+# True while the process runs; a zombie (exited, not yet reaped) counts as gone.
+process_alive() {
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}

@@ -17,12 +17,12 @@ read_hf_token
 job_dir="$work_dir/maxtext-sft-runs/$run_name"
 mkdir -p "$job_dir"
 
-if [ -f "$job_dir/pid" ] && kill -0 "$(cat "$job_dir/pid")" 2>/dev/null; then
-  echo "Training $run_name is already running (pid $(cat "$job_dir/pid"))"
-  exit 0
-fi
 if [ "$(cat "$job_dir/exit_code" 2>/dev/null)" = 0 ]; then
   echo "Training $run_name already finished (exit code 0); not starting it again"
+  exit 0
+fi
+if [ -f "$job_dir/pid" ] && process_alive "$(cat "$job_dir/pid")"; then
+  echo "Training $run_name is already running (pid $(cat "$job_dir/pid"))"
   exit 0
 fi
 rm -f "$job_dir/exit_code"

@@ -21,6 +21,21 @@ if [ ! -f "$job_dir/pid" ]; then
   exit 0
 fi
 
+# The state is read before the log: once it is final, the log holds every line already.
+exit_code=$(cat "$job_dir/exit_code" 2>/dev/null || echo none)
+
+if [ "$exit_code" = none ]; then
+  if process_alive "$(cat "$job_dir/pid")"; then
+    state=running
+  else
+    state=failed  # killed without a chance to write its exit code
+  fi
+elif [ "$exit_code" = 0 ] && [ -d "$checkpoints_dir/$steps/model_params" ]; then
+  state=succeeded
+else
+  state=failed
+fi
+
 offset=$(cat "$cursor" 2>/dev/null || echo 0)
 size=$(stat -c %s "$log" 2>/dev/null || echo 0)
 if [ "$size" -gt "$offset" ]; then
@@ -37,20 +52,6 @@ fi
 last=$(grep -a 'completed step: ' "$log" 2>/dev/null | tail -n 1 || true)
 last_step=$(sed -n 's/.*completed step: \([0-9]*\).*/\1/p' <<<"$last")
 last_loss=$(sed -n 's/.*[ ,]loss: \([^ ,]*\).*/\1/p' <<<"$last")
-exit_code=$(cat "$job_dir/exit_code" 2>/dev/null || echo none)
-
-if [ "$exit_code" = none ]; then
-  if kill -0 "$(cat "$job_dir/pid")" 2>/dev/null; then
-    state=running
-  else
-    state=failed  # killed without a chance to write its exit code
-  fi
-elif [ "$exit_code" = 0 ] && [ -d "$checkpoints_dir/$steps/model_params" ]; then
-  state=succeeded
-else
-  state=failed
-fi
-
 if [ "$state" = failed ]; then
   echo "--- tail of $log"
   tail -n 40 "$log" 2>/dev/null || true

@@ -1,0 +1,102 @@
+"""Stand-in for `python3 -m maxtext.checkpoint_conversion.to_huggingface` (see maxtext/__init__.py).
+
+Reads the stand-in checkpoint at load_parameters_path (a complete step's
+model_params) and writes small fake Hugging Face files to
+BASE_OUTPUT_DIRECTORY: config.json, model.safetensors (a valid safetensors
+file whose metadata names the source checkpoint), tokenizer.json,
+tokenizer_config.json and chat_template.jinja. Like MaxText it refuses model
+dimensions that differ from the Hugging Face model's unless
+--override_model_architecture is given.
+"""
+
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+from maxtext import _standin as s
+
+# The stand-in's chat template, in the Gemma turn format.
+CHAT_TEMPLATE = """{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' \
+else message['role'] %}<start_of_turn>{{ role }}
+{{ message['content'] | trim }}<end_of_turn>
+{% endfor %}{% if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def write_safetensors(path, metadata):
+    """A valid safetensors file holding one tiny BF16 tensor; `metadata` goes in its header."""
+    header = {"__metadata__": {key: str(value) for key, value in metadata.items()},
+              "standin.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads the header to 8 bytes
+    Path(path).write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + bytes(8))
+
+
+def main(argv):
+    flags, args = s.parse_absl_flags(argv, bool_flags=["override_model_architecture"])
+    faults = s.load_faults()
+    s.announce("to_huggingface")
+    config = s.parse_config(args)
+    if config.load_full_state_path != "":
+        raise AssertionError("This script expects parameters, not a full state. "
+                             "Use generate_param_only_checkpoint first if needed.")
+    overall_start = time.time()
+
+    s.log(f"\nLoading Orbax checkpoint from: {config.load_parameters_path}", "to_huggingface.py:265")
+    if not config.load_parameters_path:
+        raise ValueError("load_parameters_path is required")
+    source = s.read_params(config.load_parameters_path, config)
+    output_directory = config.base_output_directory
+
+    if config.model_name not in s.HF_IDS:
+        raise ValueError(f"Unsupported model name: {config.model_name}. Supported models are: {list(s.HF_IDS)}")
+    stock = dict(zip(s.DIM_KEYS, s.MODEL_DIMS[config.model_name]))
+    changed = {key: value for key, value in config.model_dims.items() if value != stock[key]}
+    if changed and not flags.get("override_model_architecture"):
+        raise ValueError(f"MaxText config does not match the Hugging Face config of {config.model_name}: {changed}. "
+                         "Pass --override_model_architecture to use the MaxText values.")
+    if "fail" in faults.get("to_huggingface", {}):
+        raise RuntimeError(faults["to_huggingface"]["fail"])
+
+    s.log("\nSaving HuggingFace model...", "to_huggingface.py:346")
+    out = Path(output_directory)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = config.model_dims
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["MaxTextStandinForCausalLM"],
+        "model_type": config.model_name.split("-")[0],
+        "hidden_size": dims["base_emb_dim"], "intermediate_size": dims["base_mlp_dim"],
+        "num_hidden_layers": dims["base_num_decoder_layers"], "num_attention_heads": dims["base_num_query_heads"],
+        "num_key_value_heads": dims["base_num_kv_heads"], "head_dim": dims["head_dim"],
+        "vocab_size": dims["vocab_size"], "torch_dtype": config.weight_dtype,
+        "maxtext_standin": {"hf_id": s.HF_IDS[config.model_name], "source": config.load_parameters_path},
+    }, indent=2))
+    write_safetensors(out / "model.safetensors", {
+        "format": "pt", "maxtext_standin": "true", "source": config.load_parameters_path,
+        "step": source.get("step", 0), "run_name": source.get("run_name", "")})
+    (out / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, token in enumerate(SPECIAL_TOKENS)],
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {token: i for i, token in enumerate(SPECIAL_TOKENS)},
+                  "unk_token": "<unk>"},
+    }, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "model_max_length": config.max_target_length,
+    }, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+    s.log(f"\u2705 MaxText model successfully saved in HuggingFace format at {output_directory}",
+          "to_huggingface.py:355")
+    s.log(f"Overall Elapse: {(time.time() - overall_start) / 60:.2f} min", "to_huggingface.py:357")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

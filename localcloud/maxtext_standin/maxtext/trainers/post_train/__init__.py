@@ -1,0 +1,1 @@
+"""Part of the MaxText stand-in; see maxtext/__init__.py."""

@@ -1,0 +1,155 @@
+"""Stand-in for `python3 -m maxtext.trainers.post_train.sft.train_sft` (see maxtext/__init__.py).
+
+Imitates MaxText 0.2.2's SFT run, whose loop is Tunix's PeftTrainer:
+- Steps count from 1: "completed step: N" and checkpoint directory N both mean
+  "after N updates". Output goes to BASE_OUTPUT_DIRECTORY/RUN_NAME/
+  {checkpoints/N/{model_params,optimizer_state}, tensorboard/}.
+- Orbax saves step 1 of a fresh run (no checkpoint yet), every
+  checkpoint_period-th step, and the last step when the loop ends.
+- Tunix logs each step's metrics one step late (it overlaps that I/O with the
+  next step), so the last step's line comes after "Train loop finished in".
+- A re-run with the same run_name restores the latest checkpoint there and
+  trains only the later steps.
+- With profiler=xplane, Tunix traces steps skip..skip+profiler_steps counted
+  from the restored step, writing tensorboard/plugins/profile/<time>/<host>.xplane.pb,
+  and refuses to start when that window is empty (steps=1, or a re-run of a
+  finished run).
+Each step takes the fault file's seconds_per_step; faults are described in
+maxtext/_standin.py.
+"""
+
+import glob
+import socket
+import sys
+import time
+from pathlib import Path
+
+from maxtext import _standin as s
+
+
+class XlaRuntimeError(RuntimeError):
+    """What a failing TPU step raises in JAX (jaxlib's XlaRuntimeError)."""
+
+
+def _run_train_step(step, fault):
+    if fault.get("crash_at_step") == step:
+        raise XlaRuntimeError(f"INTERNAL: stand-in fault injected at step {step} (crash_at_step)")
+    if fault.get("stall_at_step") == step:
+        while True:  # a hung job: alive, silent, until someone kills it
+            time.sleep(3600)
+
+
+def _check_train_files(config):
+    pattern = config.hf_train_files
+    if config.dataset_type == "hf" and pattern and "://" not in pattern and not glob.glob(pattern):
+        raise FileNotFoundError(f"Unable to find '{pattern}'")
+
+
+def main(argv):
+    _, args = s.parse_absl_flags(argv)
+    faults = s.load_faults()
+    s.announce("train_sft")
+    config = s.parse_config(args, defaults=s.SFT_YML)
+    fault = faults.get("train_sft", {})
+    seconds_per_step = faults["seconds_per_step"]
+
+    if config.load_parameters_path:
+        s.read_params(config.load_parameters_path, config)
+    _check_train_files(config)
+
+    checkpoint_root = Path(config.checkpoint_dir)
+    tensorboard_dir = Path(config.tensorboard_dir)
+    restored = s.latest_step(checkpoint_root)
+    if restored is not None:
+        s.read_params(checkpoint_root / str(restored) / "model_params", config)
+        s.log(f"Restored params from step: {restored} in 0.010 seconds", "checkpoint_manager.py:235")
+    train_steps = restored or 0
+
+    profile_window = None
+    if config.profiler:
+        first = train_steps + config.skip_first_n_steps_for_profiler
+        last = min(first + config.profiler_steps, config.steps)
+        if first >= last:
+            raise ValueError(f"First profile step {first} cannot be greater than the last profile step {last}.")
+        profile_window = (first, last)
+    hidden_steps = set()
+    if config.profiler and config.hide_profiler_step_metric:
+        skip, count = config.skip_first_n_steps_for_profiler, config.profiler_steps
+        hidden_steps = {skip, skip + 1, skip + count, skip + count + 1}
+
+    tensorboard_dir.mkdir(parents=True, exist_ok=True)
+    (tensorboard_dir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}").touch()
+
+    # One device assumed: per-device and global figures are the same.
+    tokens = config.per_device_batch_size * config.max_target_length
+    tflops = 6 * s.approx_params(config.model_dims) * tokens / 1e12
+    last_log_time = time.perf_counter()
+
+    def log_step(step):
+        nonlocal last_log_time
+        now = time.perf_counter()
+        seconds, last_log_time = max(now - last_log_time, 1e-6), now
+        if step in hidden_steps:
+            parts = [f"completed profiler activation/deactivation step: {step}"]
+        else:
+            parts = [f"completed step: {step}", f"seconds: {seconds:.3f}",
+                     f"TFLOP/s/device: {tflops / seconds:.3f}", f"Tokens/s/device: {tokens / seconds:.3f}"]
+        total_weights = int(tokens * (0.8 + 0.1 * (step % 3)))
+        parts += [f"total_weights: {total_weights}", f"loss: {s.fake_loss(step, config.run_name):.3f}",
+                  "lm_loss: 0.000", "perplexity: 0.000"]  # SFT's hooks do not report these two
+        s.log(", ".join(parts), "metric_logger.py:196")
+
+    def run_eval():
+        loss = s.fake_loss(train_steps, config.run_name) + 0.1
+        s.log(f"eval metrics after step: {train_steps}, loss={loss:.3f}, perplexity={2.718281828 ** loss:.3f}, "
+              f"total_weights={int(tokens)}", "metric_logger.py:216")
+
+    def save(step):
+        s.save_step(checkpoint_root, step, {
+            "model_params": s.params_info(config, run_name=config.run_name, step=step),
+            "optimizer_state": {"step": step},
+        }, use_zarr3=config.checkpoint_storage_use_zarr3)
+
+    if config.eval_interval > 0:
+        run_eval()
+    saved = restored
+    pending_log = None  # Tunix's buffered metrics of the previous step
+    loop_start = time.perf_counter()
+    while True:
+        if profile_window and train_steps == profile_window[0]:
+            s.log(f"Starting JAX profiler at step {train_steps}.", "profiler.py:85")
+        step = train_steps + 1
+        if fault.get("out_of_data_at_step") == step:
+            s.log("Exception in load_next_train_batch: You may have run out of training data. "
+                  "Received <class 'StopIteration'> exception: ()", "hooks.py:191")
+            break
+        if train_steps >= config.steps:
+            break
+        train_steps = step
+        if pending_log is not None:
+            log_step(pending_log)
+        pending_log = step
+        # The step's device work: JAX dispatched it asynchronously, so it overlaps the log above.
+        time.sleep(seconds_per_step * config.gradient_accumulation_steps)
+        _run_train_step(step, fault)
+        if saved is None or (step % config.checkpoint_period == 0 and step > saved):
+            save(step)
+            saved = step
+        if config.eval_interval > 0 and step % config.eval_interval == 0:
+            run_eval()
+        if profile_window and step == profile_window[1]:
+            s.log(f"Stopping JAX profiler at step {step}.", "profiler.py:113")
+            trace_dir = tensorboard_dir / "plugins" / "profile" / time.strftime("%Y_%m_%d_%H_%M_%S")
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            (trace_dir / f"{socket.gethostname()}.xplane.pb").write_bytes(b"maxtext-standin xplane\n")
+
+    s.log(f"Train loop finished in: {time.perf_counter() - loop_start:.4f} seconds", "peft_trainer.py:749")
+    # PeftTrainer.close(): write the buffered metrics, then force-save the last step.
+    if pending_log is not None:
+        log_step(pending_log)
+    if saved is None or saved < train_steps:
+        save(train_steps)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,283 @@
+"""Tests of the MaxText stand-in (localcloud/maxtext_standin) run from the fast VM image's venv."""
+
+import hashlib
+import json
+import os
+import re
+import selectors
+import shlex
+import struct
+import subprocess
+import time
+
+import pytest
+
+from localcloud import images
+
+# The pipeline's three commands, verbatim; /dev/shm/gemma3-4b becomes a temp dir.
+TO_MAXTEXT = (
+    "python3 -m maxtext.checkpoint_conversion.to_maxtext model_name=gemma3-4b "
+    "base_output_directory=/dev/shm/gemma3-4b/mt-format/ scan_layers=True use_multimodal=False hardware=cpu "
+    "skip_jax_distributed_system=true checkpoint_storage_use_zarr3=1 checkpoint_storage_use_ocdbt=1 "
+    "--lazy_load_tensors=False")
+TRAIN_SFT = (
+    "python3 -m maxtext.trainers.post_train.sft.train_sft run_name=R "
+    "base_output_directory=/dev/shm/gemma3-4b/post-train/ model_name=gemma3-4b "
+    "load_parameters_path=/dev/shm/gemma3-4b/mt-format/0/items per_device_batch_size=1 steps=1000 "
+    "hf_path=HuggingFaceH4/ultrachat_200k train_split=train_sft \"train_data_columns=['messages']\" profiler=xplane")
+TO_HUGGINGFACE = (
+    "python3 -m maxtext.checkpoint_conversion.to_huggingface model_name=gemma3-4b "
+    "load_parameters_path=/dev/shm/gemma3-4b/post-train/R/checkpoints/1000/model_params "
+    "base_output_directory=/dev/shm/gemma3-4b/hf-trained/ scan_layers=True use_multimodal=False "
+    "weight_dtype=bfloat16")
+
+STEP_LINE = re.compile(
+    r"I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ metric_logger\.py:196\] completed step: (\d+), seconds: \d+\.\d{3}, "
+    r"TFLOP/s/device: \d+\.\d{3}, Tokens/s/device: \d+\.\d{3}, total_weights: \d+, loss: \d+\.\d{3}, "
+    r"lm_loss: 0\.000, perplexity: 0\.000")
+FAST = 0.001  # seconds per step in most tests
+TOKEN = "hf_standin_test_token_123"
+
+
+@pytest.fixture(scope="session")
+def venv_python():
+    return images.build_fast_image() / "skel" / "maxtext_venv" / "bin" / "python3"
+
+
+@pytest.fixture
+def mt(tmp_path, venv_python):
+    """Runs stand-in commands in tmp_path; `faults` becomes the fault file."""
+
+    def run(command, faults=None, hf_token=None, popen=False):
+        command = command.replace("/dev/shm/gemma3-4b", str(tmp_path))
+        argv = shlex.split(command)
+        assert argv[0] == "python3"
+        argv[0] = str(venv_python)
+        fault_file = tmp_path / "faults.json"
+        fault_file.write_text(json.dumps({"seconds_per_step": FAST, **(faults or {})}))
+        env = {key: value for key, value in os.environ.items()
+               if key not in ("HF_TOKEN", "PYTHONPATH", "VIRTUAL_ENV")}
+        env["MAXTEXT_STANDIN_FAULTS"] = str(fault_file)
+        if hf_token:
+            env["HF_TOKEN"] = hf_token
+        if popen:
+            return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    run.dir = tmp_path
+    return run
+
+
+def steps_logged(log):
+    return [int(step) for step in re.findall(r"completed step: (\d+),", log)]
+
+
+def checkpoints(run_dir):
+    """Checkpoint steps, numerically; a leftover temporary directory would fail int()."""
+    return sorted(int(entry.name) for entry in (run_dir / "checkpoints").iterdir())
+
+
+def convert(mt):
+    result = mt(TO_MAXTEXT, hf_token=TOKEN)
+    assert result.returncode == 0, result.stderr
+
+
+def train(mt, extra="", faults=None, run_name="R"):
+    command = TRAIN_SFT.replace("run_name=R", f"run_name={run_name}").replace(" profiler=xplane", "") + " " + extra
+    return mt(command, faults=faults)
+
+
+def test_pipeline_commands_produce_maxtext_layouts_and_logs(mt):
+    result = mt(TO_MAXTEXT, faults={"seconds_per_step": 0.002}, hf_token=TOKEN)
+    assert result.returncode == 0, result.stderr
+    assert "stand-in" in result.stderr  # the venv really runs the stand-in
+    assert (mt.dir / "mt-format/0/items/_METADATA").is_file()
+    assert (mt.dir / "mt-format/0/_CHECKPOINT_METADATA").is_file()
+    assert sorted(p.name for p in (mt.dir / "mt-format").iterdir()) == [".standin-hf-token.sha256", "0"]
+
+    result = mt(TRAIN_SFT, faults={"seconds_per_step": 0.002})
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    step_lines = [line for line in lines if "completed step:" in line]
+    assert [int(STEP_LINE.fullmatch(line).group(1)) for line in step_lines] == list(range(1, 1001))
+    finished = [i for i, line in enumerate(lines) if re.search(r"\] Train loop finished in: \d+\.\d{4} seconds$", line)]
+    assert len(finished) == 1
+    # Tunix logs a step's metrics one step late, so the last step follows "Train loop finished".
+    assert "completed step: 1000," in lines[finished[0] + 1]
+    run_dir = mt.dir / "post-train/R"
+    assert checkpoints(run_dir) == [1, 1000]
+    for step in ("1", "1000"):
+        assert (run_dir / "checkpoints" / step / "model_params/_METADATA").is_file()
+        assert (run_dir / "checkpoints" / step / "optimizer_state").is_dir()
+    assert list((run_dir / "tensorboard/plugins/profile").glob("*/*.xplane.pb"))
+
+    result = mt(TO_HUGGINGFACE)
+    assert result.returncode == 0, result.stderr
+    out = mt.dir / "hf-trained"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    data = (out / "model.safetensors").read_bytes()
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    assert header["__metadata__"]["step"] == "1000"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("command", [TO_MAXTEXT, TRAIN_SFT, TO_HUGGINGFACE], ids=["to_maxtext", "train_sft", "to_hf"])
+def test_unknown_key_is_rejected_with_its_name(mt, command):
+    result = mt(command + " no_such_key=5", hf_token=TOKEN)
+    assert result.returncode == 1
+    assert "ValueError: 'no_such_key' not in " in result.stderr
+
+
+def test_unknown_absl_flag_is_rejected(mt):
+    result = mt(TRAIN_SFT + " --no_such_flag=1")
+    assert result.returncode == 1
+    assert "Unknown command line flag 'no_such_flag'" in result.stderr
+
+
+def test_values_are_typed_like_maxtext(mt):
+    convert(mt)
+    bad_int = train(mt, "checkpoint_period=five")
+    assert bad_int.returncode == 1 and "checkpoint_period\n  Input should be a valid integer" in bad_int.stderr
+    # A model dimension needs override_model_config=True, as in MaxText.
+    twice = train(mt, "base_emb_dim=64")
+    assert twice.returncode == 1 and "Keys ['base_emb_dim'] are overridden by both model config" in twice.stderr
+
+
+def test_checkpoints_at_step_one_every_period_and_the_last_step(mt):
+    convert(mt)
+    result = train(mt, "steps=12 checkpoint_period=5 attention=dot_product max_target_length=256 learning_rate=1e-5")
+    assert result.returncode == 0, result.stderr
+    assert steps_logged(result.stderr) == list(range(1, 13))
+    assert checkpoints(mt.dir / "post-train/R") == [1, 5, 10, 12]
+    assert "Config param max_target_length: 256" in result.stderr
+    assert "Config param learning_rate: 1e-05" in result.stderr
+
+
+def test_crash_exits_1_after_step_k_minus_1_without_checkpoint_k(mt):
+    convert(mt)
+    result = train(mt, "steps=20 checkpoint_period=7", faults={"train_sft": {"crash_at_step": 7}})
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert steps_logged(result.stderr) == list(range(1, 7))
+    assert checkpoints(mt.dir / "post-train/R") == [1]
+
+
+def test_stall_keeps_the_process_alive_and_silent(mt):
+    convert(mt)
+    command = TRAIN_SFT.replace(" profiler=xplane", "").replace("steps=1000", "steps=5")
+    proc = mt(command, faults={"train_sft": {"stall_at_step": 4}}, popen=True)
+    try:
+        seen = []
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        deadline = time.monotonic() + 60
+        while "completed step: 3," not in "".join(seen):
+            assert time.monotonic() < deadline, "step 3 was never logged:\n" + "".join(seen)
+            if selector.select(timeout=1):
+                line = proc.stderr.readline()
+                assert line, "the process exited:\n" + "".join(seen)
+                seen.append(line)
+        assert proc.poll() is None
+        # Two 1 ms steps remain; a process that is not stalled would be done long before this.
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)
+    finally:
+        proc.kill()
+        rest = proc.communicate()[1]
+    assert "completed step: 4," not in rest
+    assert "Train loop finished" not in rest
+    assert checkpoints(mt.dir / "post-train/R") == [1]
+
+
+def test_out_of_data_finishes_normally_at_an_earlier_step(mt):
+    convert(mt)
+    result = train(mt, "steps=20", faults={"train_sft": {"out_of_data_at_step": 4}})
+    assert result.returncode == 0, result.stderr
+    assert "You may have run out of training data" in result.stderr
+    assert "Train loop finished in:" in result.stderr
+    assert steps_logged(result.stderr) == [1, 2, 3]
+    assert checkpoints(mt.dir / "post-train/R") == [1, 3]
+
+
+def test_rerun_resumes_from_the_latest_checkpoint(mt):
+    convert(mt)
+    crashed = train(mt, "steps=12 checkpoint_period=5", faults={"train_sft": {"crash_at_step": 8}})
+    assert crashed.returncode == 1
+    assert checkpoints(mt.dir / "post-train/R") == [1, 5]
+
+    resumed = train(mt, "steps=12 checkpoint_period=5")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Restored params from step: 5 in" in resumed.stderr
+    assert steps_logged(resumed.stderr) == list(range(6, 13))
+    assert checkpoints(mt.dir / "post-train/R") == [1, 5, 10, 12]
+
+
+def test_profiler_refuses_an_empty_window_like_tunix(mt):
+    convert(mt)
+    result = mt(TRAIN_SFT.replace("steps=1000", "steps=1"))
+    assert result.returncode == 1
+    assert "First profile step 1 cannot be greater than the last profile step 1." in result.stderr
+
+
+def test_to_maxtext_needs_a_hf_token_and_records_its_hash(mt):
+    missing = mt(TO_MAXTEXT)
+    assert missing.returncode == 1
+    assert "gated repo" in missing.stderr
+    assert not (mt.dir / "mt-format").exists()
+
+    present = mt(TO_MAXTEXT, hf_token=TOKEN)
+    assert present.returncode == 0, present.stderr
+    recorded = (mt.dir / "mt-format/.standin-hf-token.sha256").read_text().strip()
+    assert recorded == hashlib.sha256(TOKEN.encode()).hexdigest()
+    assert TOKEN not in present.stderr
+
+
+def test_to_maxtext_from_a_local_hf_checkpoint_needs_no_token(mt):
+    hf_dir = mt.dir / "local-hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    result = mt(TO_MAXTEXT + f" --hf_model_path={hf_dir} --simulated_cpu_devices_count=1")
+    assert result.returncode == 0, result.stderr
+    assert (mt.dir / "mt-format/0/items/_METADATA").is_file()
+
+
+def test_commands_need_an_existing_parameter_checkpoint(mt):
+    train_result = mt(TRAIN_SFT)
+    assert train_result.returncode == 1
+    assert "No valid Orbax checkpoint found at" in train_result.stderr
+    export = mt(TO_HUGGINGFACE)
+    assert export.returncode == 1
+    assert "No valid Orbax checkpoint found at" in export.stderr
+    assert not (mt.dir / "hf-trained").exists()
+
+
+def test_converter_fail_faults(mt):
+    result = mt(TO_MAXTEXT, faults={"to_maxtext": {"fail": "disk on fire"}}, hf_token=TOKEN)
+    assert result.returncode == 1 and "RuntimeError: disk on fire" in result.stderr
+
+
+def test_malformed_fault_file_fails_loudly(mt):
+    result = mt(TO_MAXTEXT, faults={"train_sft": {"crash_at_stpe": 3}}, hf_token=TOKEN)
+    assert result.returncode == 1 and "bad fault file" in result.stderr
+
+
+def test_image_is_cached_world_readable_and_reports_maxtext_0_2_2(tmp_path, monkeypatch):
+    first = images.build_fast_image(tmp_path)
+    stamp = (first / "image.json").stat().st_mtime_ns
+    second = images.build_fast_image(tmp_path)
+    assert second == first
+    assert (second / "image.json").stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary build left behind
+
+    python = first / "skel/maxtext_venv/bin/python3"
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('maxtext'))"],
+                             capture_output=True, text=True, check=True, cwd=tmp_path, env={})
+    assert version.stdout.strip() == "0.2.2"
+    for path in first.rglob("*"):
+        if not path.is_symlink():
+            assert path.stat().st_mode & 0o004, f"{path} is not world-readable"
+
+    monkeypatch.setattr(images, "BUILDER_VERSION", images.BUILDER_VERSION + 1)
+    assert images.build_fast_image(tmp_path) != first  # a new recipe builds a new image
