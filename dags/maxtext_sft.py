@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, task
+from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.params import pipeline_params
@@ -83,8 +84,7 @@ with DAG(
     # 5. Convert MaxText -> Hugging Face.
     export_to_hf = VmScriptOperator(task_id="export_to_hf", step="export", spec=run["spec"], **step_connections)
 
-    # 6. Delete the VM in every outcome. The run's state comes from the work tasks, not from this
-    # teardown; a failed delete still fails the run (a VM may be left behind).
+    # 6. Delete the VM in every outcome.
     delete_vm = DeleteVmOperator(
         task_id="delete_vm",
         project_id=run["project_id"],
@@ -92,7 +92,7 @@ with DAG(
         resource_id=run["vm_name"],
         gcp_conn_id=GCP_CONN_ID,
         retries=5,
-    ).as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    ).as_teardown(setups=vm_lease)
 
     (
         run
@@ -106,3 +106,13 @@ with DAG(
         >> export_to_hf
         >> delete_vm
     )
+
+    # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise be
+    # the leaf that decides. This task, downstream of every other (but the no-op setup, which
+    # Airflow requires to be followed by all_success tasks), fails the run when any of them
+    # failed (the delete included: a VM may be left behind) and is skipped otherwise.
+    @task(trigger_rule="one_failed", retries=0)
+    def fail_run_if_any_task_failed():
+        raise AirflowFailException("A task of this run failed (see the failed task's log); the VM was deleted.")
+
+    [t for t in dag.tasks if not t.is_setup] >> fail_run_if_any_task_failed()

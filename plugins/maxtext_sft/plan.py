@@ -15,7 +15,8 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
     """Return the spec and the create request's values; fail (without retries) on bad input."""
     dag_run = context["dag_run"]
     try:
-        ssh = SSHHook(ssh_conn_id=ssh_conn_id)
+        # Only the login and key are needed here; the VM's address exists once the VM does.
+        ssh = SSHHook(ssh_conn_id=ssh_conn_id, remote_host="not-connected")
         if ssh.pkey is None:
             raise SpecError(f"SSH connection {ssh_conn_id!r} needs a private_key extra (the VM's login key)")
         hf_token(hf_conn_id)  # present now, or the run stops before a VM exists

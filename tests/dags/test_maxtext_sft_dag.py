@@ -23,6 +23,7 @@ TASK_ORDER = [
     "wait_for_final_checkpoint",
     "export_to_hf",
     "delete_vm",
+    "fail_run_if_any_task_failed",
 ]
 
 
@@ -62,7 +63,7 @@ def test_parses_without_network_database_connections_or_variables():
     env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "sqlite:////nonexistent-dir/airflow.db"}
     result = subprocess.run([sys.executable, "-c", guard], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "TASKS 10" in result.stdout
+    assert "TASKS 11" in result.stdout
 
 
 def test_tasks_run_in_the_tutorials_order(dag):
@@ -77,15 +78,18 @@ def test_delete_runs_in_every_outcome_without_deciding_the_run_state(dag):
     assert delete.is_teardown and lease.is_setup
     assert not dag.get_task("create_vm").is_setup  # a failed create must not skip the delete
     assert delete.trigger_rule == "all_done_setup_success"
-    assert delete.on_failure_fail_dagrun
     assert "vm_lease" in delete.upstream_task_ids
+    # The run's state: a watcher downstream of every task fails the run if any task failed.
+    watcher = dag.get_task("fail_run_if_any_task_failed")
+    assert watcher.trigger_rule == "one_failed"
+    assert watcher.upstream_task_ids == set(dag.task_ids) - {watcher.task_id, "vm_lease"}
 
 
 def test_tags_retries_and_waiting_modes(dag):
     assert set(dag.tags) >= {"maxtext", "sft", "tpu"}
     assert dag.schedule is None or str(dag.timetable.summary) in ("None",)
     for task in dag.tasks:
-        if task.task_id in ("plan_run", "vm_lease"):
+        if task.task_id in ("plan_run", "vm_lease", "fail_run_if_any_task_failed"):
             continue
         assert task.retries >= 1, task.task_id
     assert dag.get_task("plan_run").retries == 0  # bad input is not retried

@@ -103,6 +103,10 @@ class TrainingCheckpointSensor(_VmSensor):
             if progress := STEP_LINE.search(line):
                 self.log.info("training progress: step %s, loss %s", *progress.groups())
         state = fields.get("state")
+        self.log.info(
+            "Training %s: state %s, last step %s, loss %s",
+            spec.run_name, state, fields.get("last_step"), fields.get("last_loss"),
+        )
         if state == "running":
             return False
         if state == "succeeded":

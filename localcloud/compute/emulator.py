@@ -1,0 +1,979 @@
+"""Compute Engine REST API v1 emulator (the subset the project uses), over plain HTTP.
+
+Resources live in memory; each instance's VM is a real sshd (see vm.py). Work is
+asynchronous like the real API: mutating calls answer with a zonal Operation at once and a
+worker thread carries it to DONE. Links in responses use the request's own scheme and host.
+
+Emulator-only control paths are under /_localcloud/ (see `ControlApi`); nothing there is
+part of the Compute Engine API.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime as dt
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+import traceback
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from . import errors
+from .errors import ApiError
+from .filters import parse_filter
+from .guest import GuestAccounts, metadata_value
+from .schema import BodyValidator
+from .vm import SandboxVM
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/compute/v1/"
+CONTROL_PREFIX = "/_localcloud/"
+OPERATION_USER = "localcloud-user@localcloud.invalid"
+
+_NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
+_ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
+_LABEL_KEY = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+_LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
+_URL_PREFIX = re.compile(r"^https?://[^/]+/compute/(?:v1|beta|alpha)/")
+
+# Operation error code → (httpErrorStatusCode) as the real API reports it.
+_OPERATION_ERROR_STATUS = {
+    "ZONE_RESOURCE_POOL_EXHAUSTED": 503,
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": 503,
+    "REGION_RESOURCE_POOL_EXHAUSTED": 503,
+    "QUOTA_EXCEEDED": 403,
+    "RESOURCE_NOT_FOUND": 404,
+    "INTERNAL_ERROR": 500,
+}
+
+
+class Link:
+    """A resource URL stored as a path; rendered with the base URL of each request."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __deepcopy__(self, memo: dict) -> Link:
+        return self  # immutable
+
+    def __repr__(self) -> str:
+        return f"Link({self.path!r})"
+
+
+def render(value: object, base: str) -> object:
+    """A JSON-ready deep copy with every Link turned into `base + path`."""
+    if isinstance(value, Link):
+        return base + value.path
+    if isinstance(value, dict):
+        return {k: render(v, base) for k, v in value.items()}
+    if isinstance(value, list):
+        return [render(v, base) for v in value]
+    return value
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def new_id() -> str:
+    # Compute Engine ids are unsigned 64-bit numbers, sent as decimal strings.
+    return str(secrets.randbelow(2**63 - 10**18) + 10**18)
+
+
+def new_fingerprint() -> str:
+    return base64.b64encode(secrets.token_bytes(8)).decode()
+
+
+def new_operation_name() -> str:
+    ms = int(time.time() * 1000)
+    return f"operation-{ms}-{secrets.token_hex(7)[:13]}-{secrets.token_hex(4)}-{secrets.token_hex(4)}"
+
+
+def relative_url(value: str) -> str:
+    """Strip `https://host/compute/v1/` from a resource URL (full or partial)."""
+    return _URL_PREFIX.sub("", value).lstrip("/")
+
+
+def region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+class Request:
+    """What an API handler sees of one request."""
+
+    def __init__(self, query: dict[str, list[str]], body: object, base: str) -> None:
+        self.query = query
+        self.body = body
+        self.base = base  # "http://HOST:PORT/compute/v1/" as the client addressed us
+
+
+class Faults:
+    """Fault switches, replaced as a whole by POST /_localcloud/faults.
+
+    Each key is one fault kind with its own settings object; a settings object may carry
+    `count` (apply to the next N matching calls, then switch off), otherwise it stays on
+    until replaced. New kinds are added to `KINDS` with a validator.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settings: dict = {}
+
+    @staticmethod
+    def _check_insert_fails_after_accept(value: dict) -> None:
+        allowed = {"code", "message", "leave_instance", "http_status", "count"}
+        unknown = set(value) - allowed
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}")
+        if "leave_instance" in value and not isinstance(value["leave_instance"], bool):
+            raise ValueError("leave_instance must be a boolean")
+
+    KINDS = {"insert_fails_after_accept": _check_insert_fails_after_accept}
+
+    def replace(self, settings: object) -> dict:
+        if not isinstance(settings, dict):
+            raise errors.invalid("Faults must be a JSON object.")
+        for kind, value in settings.items():
+            if kind not in self.KINDS:
+                raise errors.invalid(f"Unknown fault '{kind}'. Known: {sorted(self.KINDS)}.")
+            if not isinstance(value, dict):
+                raise errors.invalid(f"Fault '{kind}' must be a JSON object.")
+            count = value.get("count")
+            if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+                raise errors.invalid(f"Fault '{kind}': count must be a positive integer.")
+            try:
+                self.KINDS[kind](value)
+            except ValueError as exc:
+                raise errors.invalid(f"Fault '{kind}': {exc}.") from None
+        with self._lock:
+            self._settings = copy.deepcopy(settings)
+            return copy.deepcopy(self._settings)
+
+    def current(self) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._settings)
+
+    def take(self, kind: str) -> dict | None:
+        """The settings of `kind` if it is on, counting one use."""
+        with self._lock:
+            value = self._settings.get(kind)
+            if value is None:
+                return None
+            if "count" in value:
+                value["count"] -= 1
+                if value["count"] <= 0:
+                    del self._settings[kind]
+            return copy.deepcopy(value)
+
+
+class RequestLog:
+    """One JSON line per API request in STATE_DIR/compute-requests.jsonl."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def append(self, entry: dict) -> None:
+        line = json.dumps(entry, sort_keys=True) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+    def read(self) -> list[dict]:
+        with self._lock:
+            try:
+                text = self.path.read_text()
+            except FileNotFoundError:
+                return []
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.path.write_text("")
+
+
+class Instance:
+    def __init__(self, project: str, zone: str, name: str, resource: dict, image_dir: Path | None) -> None:
+        self.project, self.zone, self.name = project, zone, name
+        self.resource = resource
+        self.image_dir = image_dir
+        self.ip: str | None = None
+        self.vm: SandboxVM | None = None
+        self.deleting = False
+        # Serialises the VM-side work of insert, setMetadata and delete on this instance.
+        self.work_lock = threading.Lock()
+
+    @property
+    def path(self) -> str:
+        return f"projects/{self.project}/zones/{self.zone}/instances/{self.name}"
+
+    @property
+    def status(self) -> str:
+        return self.resource["status"]
+
+
+class ComputeEmulator:
+    def __init__(
+        self,
+        state_dir: Path,
+        images: dict[str, Path] | None = None,
+        *,
+        operation_wait_timeout: float = 120.0,
+        vm_ready_timeout: float = 30.0,
+    ) -> None:
+        self.state_dir = state_dir
+        self.images = {k: Path(v) for k, v in (images or {}).items()}
+        self.operation_wait_timeout = operation_wait_timeout
+        self.vm_ready_timeout = vm_ready_timeout
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.instances: dict[tuple[str, str, str], Instance] = {}
+        self.operations: dict[tuple[str, str, str], dict] = {}
+        self.request_ids: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.faults = Faults()
+        self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
+        self.closing = False
+        (state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
+        (state_dir / "vms").mkdir(parents=True, exist_ok=True)
+
+    # ----- routing -------------------------------------------------------------------------
+
+    ROUTES = [
+        ("GET", r"projects/(?P<project>[^/]+)", "get_project"),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)", "get_zone"),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances", "list_instances"),
+        ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances", "insert_instance"),
+        ("GET", r"projects/(?P<project>[^/]+)/aggregated/instances", "aggregated_list_instances"),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)", "get_instance"),
+        ("DELETE", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)", "delete_instance"),
+        ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/setMetadata", "set_metadata"),
+        (
+            "GET",
+            r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/getGuestAttributes",
+            "get_guest_attributes",
+        ),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)", "get_operation"),
+        ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_operation"),
+    ]
+    _COMPILED = [(m, re.compile(p), h) for m, p, h in ROUTES]
+
+    def dispatch(self, method: str, path: str, req: Request) -> tuple[int, object]:
+        """Route one /compute/v1/ request; returns (status, payload with Links)."""
+        rest = path[len(API_PREFIX) :]
+        for route_method, pattern, handler in self._COMPILED:
+            m = pattern.fullmatch(rest)
+            if m and route_method == method:
+                params = {k: unquote(v) for k, v in m.groupdict().items()}
+                return 200, getattr(self, handler)(req=req, **params)
+        raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server (localcloud).")
+
+    # ----- projects and zones --------------------------------------------------------------
+
+    def get_project(self, project: str, req: Request) -> dict:
+        # No `defaultServiceAccount`: like a project whose Compute Engine default service
+        # account was removed. gcloud then sends no serviceAccounts, matching the captured
+        # reference requests of the tutorial.
+        return {
+            "kind": "compute#project",
+            "id": str(zlib.crc32(project.encode()) + 10**11),
+            "creationTimestamp": "2024-01-01T00:00:00.000-00:00",
+            "name": project,
+            "commonInstanceMetadata": {"kind": "compute#metadata", "fingerprint": "localcloud0="},
+            "quotas": [],
+            "selfLink": Link(f"projects/{project}"),
+            "xpnProjectStatus": "UNSPECIFIED_XPN_PROJECT_STATUS",
+            "defaultNetworkTier": "PREMIUM",
+            "vmDnsSetting": "ZONAL_ONLY",
+        }
+
+    def get_zone(self, project: str, zone: str, req: Request) -> dict:
+        if not _ZONE.fullmatch(zone):
+            raise errors.not_found(f"projects/{project}/zones/{zone}")
+        return {
+            "kind": "compute#zone",
+            "id": str(2000 + sum(map(ord, zone))),
+            "creationTimestamp": "1969-12-31T16:00:00.000-08:00",
+            "name": zone,
+            "description": zone,
+            "status": "UP",
+            "region": Link(f"projects/{project}/regions/{region_of(zone)}"),
+            "selfLink": Link(f"projects/{project}/zones/{zone}"),
+            "availableCpuPlatforms": ["Intel Emerald Rapids", "AMD Genoa"],
+            "supportsPzs": False,
+        }
+
+    # ----- instances -----------------------------------------------------------------------
+
+    def _instance(self, project: str, zone: str, name: str) -> Instance:
+        inst = self.instances.get((project, zone, name))
+        if inst is None:
+            raise errors.not_found(f"projects/{project}/zones/{zone}/instances/{name}")
+        return inst
+
+    def get_instance(self, project: str, zone: str, instance: str, req: Request) -> dict:
+        with self.lock:
+            return copy.deepcopy(self._instance(project, zone, instance).resource)
+
+    def list_instances(self, project: str, zone: str, req: Request) -> dict:
+        with self.lock:
+            resources = [copy.deepcopy(i.resource) for i in self.instances.values() if (i.project, i.zone) == (project, zone)]
+        page, token = self._page(resources, req)
+        result = {
+            "kind": "compute#instanceList",
+            "id": f"projects/{project}/zones/{zone}/instances",
+            "selfLink": Link(f"projects/{project}/zones/{zone}/instances"),
+        }
+        if page:
+            result["items"] = page
+        if token:
+            result["nextPageToken"] = token
+        return result
+
+    def aggregated_list_instances(self, project: str, req: Request) -> dict:
+        with self.lock:
+            resources = [copy.deepcopy(i.resource) for i in self.instances.values() if i.project == project]
+        page, token = self._page(resources, req)
+        items: dict[str, dict] = {}
+        for resource in page:
+            zone = resource["zone"].path.rsplit("/", 1)[1]
+            items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(resource)
+        result = {
+            "kind": "compute#instanceAggregatedList",
+            "id": f"projects/{project}/aggregated/instances",
+            "items": items,
+            "selfLink": Link(f"projects/{project}/aggregated/instances"),
+        }
+        if token:
+            result["nextPageToken"] = token
+        return result
+
+    def _page(self, resources: list[dict], req: Request) -> tuple[list[dict], str | None]:
+        """Filter, order and page a list; the filter sees rendered (URL) values."""
+        query = req.query
+        predicate = parse_filter(_one(query, "filter"))
+        resources = [r for r in resources if predicate(render(r, req.base))]
+        order = (_one(query, "orderBy") or "name").split()
+        if order[0] not in ("name", "creationTimestamp") or len(order) > 2 or order[1:] not in ([], ["asc"], ["desc"]):
+            raise errors.invalid(f"Invalid value for field 'orderBy': '{_one(query, 'orderBy')}'. Unsupported.")
+        resources.sort(key=lambda r: r.get(order[0], ""), reverse=order[1:] == ["desc"])
+        try:
+            max_results = int(_one(query, "maxResults") or 500)
+            offset = int(base64.urlsafe_b64decode(_one(query, "pageToken") or "MA==").decode())
+        except ValueError:
+            raise errors.invalid("Invalid value for field 'pageToken' or 'maxResults'.") from None
+        max_results = max(0, min(max_results, 500)) or 500
+        page = resources[offset : offset + max_results]
+        more = offset + max_results < len(resources)
+        token = base64.urlsafe_b64encode(str(offset + max_results).encode()).decode() if more else None
+        return page, token
+
+    def insert_instance(self, project: str, zone: str, req: Request) -> dict:
+        if not _ZONE.fullmatch(zone):
+            raise errors.invalid_field_value("zone", zone, "Unknown zone.")
+        body = req.body
+        if body is None:
+            raise errors.required_field("resource")
+        BodyValidator("compute.instances.insert").check("Instance", body, "instance_resource")
+        assert isinstance(body, dict)
+        request_id = _one(req.query, "requestId")
+        with self.lock:
+            if request_id and (project, request_id) in self.request_ids:
+                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            name = body["name"]
+            path = f"projects/{project}/zones/{zone}/instances/{name}"
+            if (project, zone, name) in self.instances:
+                raise errors.already_exists(path)
+            resource, image_dir = self._new_instance_resource(project, zone, body)
+            inst = Instance(project, zone, name, resource, image_dir)
+            inst.ip = self._allocate_ip()
+            nic = resource["networkInterfaces"][0]
+            nic["networkIP"] = inst.ip
+            if nic.get("accessConfigs"):
+                nic["accessConfigs"][0]["natIP"] = inst.ip
+            self.instances[(project, zone, name)] = inst
+            op = self._new_operation(inst, "insert", request_id)
+            fault = self.faults.take("insert_fails_after_accept")
+        self._spawn(self._run_insert, inst, op, fault)
+        return copy.deepcopy(op)
+
+    def _new_instance_resource(self, project: str, zone: str, body: dict) -> tuple[dict, Path | None]:
+        """Semantic checks of an insert body, and the stored resource with GCE's own fields."""
+        name = body["name"]
+        machine_type = body.get("machineType")
+        if not machine_type:
+            raise errors.required_field("resource.machineType")
+        m = re.fullmatch(r"(?:projects/[^/]+/)?zones/([^/]+)/machineTypes/([^/]+)", relative_url(machine_type))
+        if not m:
+            raise errors.invalid_field_value("resource.machineType", machine_type, "Must be a URL to a machine type resource.")
+        if m.group(1) != zone:
+            raise errors.invalid_field_value(
+                "resource.machineType", machine_type, f"Machine type must be in zone '{zone}' like the instance."
+            )
+        disks = body.get("disks")
+        if not disks:
+            raise errors.required_field("resource.disks")
+        nics = body.get("networkInterfaces")
+        if not nics:
+            raise errors.required_field("resource.networkInterfaces")
+        self._check_labels(body.get("labels") or {}, "resource.labels")
+        self._check_metadata(body.get("metadata") or {}, "resource.metadata")
+
+        boot_index = next((i for i, d in enumerate(disks) if d.get("boot")), 0)
+        image_dir = self._resolve_boot_image(project, disks[boot_index], f"resource.disks[{boot_index}]")
+
+        resource = copy.deepcopy(body)
+        resource.pop("params", None)
+        base = f"projects/{project}/zones/{zone}"
+        metadata = body.get("metadata") or {}
+        resource.update(
+            kind="compute#instance",
+            id=new_id(),
+            creationTimestamp=now_rfc3339(),
+            name=name,
+            zone=Link(base),
+            machineType=Link(f"{base}/machineTypes/{m.group(2)}"),
+            status="PROVISIONING",
+            selfLink=Link(f"{base}/instances/{name}"),
+            cpuPlatform="Unknown CPU Platform",
+            canIpForward=body.get("canIpForward", False),
+            deletionProtection=body.get("deletionProtection", False),
+            startRestricted=False,
+            fingerprint=new_fingerprint(),
+            labelFingerprint=new_fingerprint(),
+            metadata=_stored_metadata(metadata),
+            tags={**(body.get("tags") or {}), "fingerprint": new_fingerprint()},
+            scheduling={
+                "onHostMaintenance": "MIGRATE",
+                "automaticRestart": True,
+                "preemptible": False,
+                "provisioningModel": "STANDARD",
+                **(body.get("scheduling") or {}),
+            },
+            reservationAffinity=body.get("reservationAffinity") or {"consumeReservationType": "ANY_RESERVATION"},
+        )
+        for i, nic in enumerate(resource["networkInterfaces"]):
+            network = relative_url(nic.get("network") or "global/networks/default")
+            if not network.startswith("projects/"):
+                network = f"projects/{project}/{network}"
+            net_name = network.rsplit("/", 1)[1]
+            subnet = nic.get("subnetwork")
+            subnet_path = relative_url(subnet) if subnet else f"regions/{region_of(zone)}/subnetworks/{net_name}"
+            if not subnet_path.startswith("projects/"):
+                subnet_path = f"projects/{project}/{subnet_path}"
+            nic.update(
+                kind="compute#networkInterface",
+                name=f"nic{i}",
+                network=Link(network),
+                subnetwork=Link(subnet_path),
+                fingerprint=new_fingerprint(),
+                stackType=nic.get("stackType", "IPV4_ONLY"),
+            )
+            for access in nic.get("accessConfigs") or []:
+                access.setdefault("type", "ONE_TO_ONE_NAT")
+                access.setdefault("name", "External NAT")
+                access.setdefault("networkTier", "PREMIUM")
+                access["kind"] = "compute#accessConfig"
+        for i, disk in enumerate(resource["disks"]):
+            params = disk.get("initializeParams") or {}
+            disk_name = params.get("diskName") or (name if i == boot_index else f"{name}-{i}")
+            disk.update(
+                kind="compute#attachedDisk",
+                index=i,
+                boot=i == boot_index,
+                deviceName=disk.get("deviceName") or f"persistent-disk-{i}",
+                source=Link(f"{base}/disks/{disk_name}") if not disk.get("source") else disk["source"],
+                interface=disk.get("interface", "SCSI"),
+                mode=disk.get("mode", "READ_WRITE"),
+                type=disk.get("type", "PERSISTENT"),
+                autoDelete=disk.get("autoDelete", False),
+                diskSizeGb=str(params.get("diskSizeGb", "10")),
+            )
+        return resource, image_dir
+
+    def _resolve_boot_image(self, project: str, disk: dict, field: str) -> Path | None:
+        if disk.get("source"):
+            raise errors.not_found(relative_url(disk["source"]))
+        source = (disk.get("initializeParams") or {}).get("sourceImage")
+        if not source:
+            raise errors.invalid_field_value(f"{field}.initializeParams.sourceImage", "", "Source image must be specified.")
+        rel = relative_url(source)
+        patterns = (
+            r"projects/(?P<p>[^/]+)/global/images/family/(?P<f>[^/]+)",
+            r"projects/(?P<p>[^/]+)/zones/[^/]+/imageFamilyViews/(?P<f>[^/]+)",
+            r"projects/(?P<p>[^/]+)/global/images/(?P<f>[^/]+)",
+            r"global/images/family/(?P<f>[^/]+)",
+            r"global/images/(?P<f>[^/]+)",
+        )
+        for pattern in patterns:
+            m = re.fullmatch(pattern, rel)
+            if m:
+                image_project = m.groupdict().get("p") or project
+                family = m.group("f")
+                key = f"{image_project}/{family}"
+                if key in self.images:
+                    image_dir = self.images[key]
+                    return image_dir if image_dir.is_dir() else None
+                kind = "images/family" if "family" in pattern or "FamilyViews" in pattern else "images"
+                raise errors.not_found(f"projects/{image_project}/global/{kind}/{family}")
+        raise errors.invalid_field_value(f"{field}.initializeParams.sourceImage", source, "Invalid image URL.")
+
+    @staticmethod
+    def _check_labels(labels: dict, field: str) -> None:
+        if len(labels) > 64:
+            raise errors.invalid_field_value(field, "", "Too many labels: at most 64.")
+        for key, value in labels.items():
+            if not _LABEL_KEY.fullmatch(key):
+                raise errors.invalid_field_value(
+                    field,
+                    "",
+                    f"Label key '{key}' violates format constraints. The key must start with a "
+                    "lowercase character, can only contain lowercase letters, numeric characters, "
+                    "underscores and dashes. The key can be at most 63 characters long.",
+                )
+            if not _LABEL_VALUE.fullmatch(value):
+                raise errors.invalid_field_value(
+                    field,
+                    "",
+                    f"Label value '{value}' violates format constraints. The value can only contain "
+                    "lowercase letters, numeric characters, underscores and dashes. The value can be "
+                    "at most 63 characters long.",
+                )
+
+    @staticmethod
+    def _check_metadata(metadata: dict, field: str) -> None:
+        items = metadata.get("items") or []
+        seen = set()
+        total = 0
+        for i, item in enumerate(items):
+            key = item.get("key")
+            if key is None:
+                raise errors.required_field(f"{field}.items[{i}].key")
+            if key in seen:
+                raise errors.invalid_field_value(f"{field}.items[{i}].key", key, "Duplicate metadata key.")
+            seen.add(key)
+            total += len(key) + len(item.get("value") or "")
+        if total > 512 * 1024:
+            raise errors.invalid_field_value(field, "", "Metadata is larger than 512 KB.")
+
+    def delete_instance(self, project: str, zone: str, instance: str, req: Request) -> dict:
+        request_id = _one(req.query, "requestId")
+        with self.lock:
+            if request_id and (project, request_id) in self.request_ids:
+                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            inst = self._instance(project, zone, instance)
+            if inst.deleting:
+                raise errors.not_ready(inst.path)
+            if inst.resource.get("deletionProtection"):
+                raise ApiError(
+                    400,
+                    "resourceInUseByAnotherResource",
+                    "Invalid resource usage: 'Resource cannot be deleted if it's protected against deletion.'.",
+                )
+            inst.deleting = True
+            inst.resource["status"] = "STOPPING"
+            op = self._new_operation(inst, "delete", request_id)
+        self._spawn(self._run_delete, inst, op)
+        return copy.deepcopy(op)
+
+    def set_metadata(self, project: str, zone: str, instance: str, req: Request) -> dict:
+        body = req.body
+        if body is None:
+            raise errors.required_field("resource")
+        BodyValidator("compute.instances.setMetadata").check("Metadata", body, "metadata_resource")
+        assert isinstance(body, dict)
+        request_id = _one(req.query, "requestId")
+        with self.lock:
+            if request_id and (project, request_id) in self.request_ids:
+                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            inst = self._instance(project, zone, instance)
+            if inst.deleting:
+                raise errors.not_ready(inst.path)
+            if body.get("fingerprint") != inst.resource["metadata"]["fingerprint"]:
+                raise errors.fingerprint_mismatch()
+            self._check_metadata(body, "resource")
+            # The fingerprint changes at once, so a second writer with the old one gets 412.
+            inst.resource["metadata"] = _stored_metadata(body)
+            op = self._new_operation(inst, "setMetadata", request_id)
+        self._spawn(self._run_set_metadata, inst, op)
+        return copy.deepcopy(op)
+
+    def get_guest_attributes(self, project: str, zone: str, instance: str, req: Request) -> dict:
+        with self.lock:
+            inst = self._instance(project, zone, instance)
+            enabled = (metadata_value(inst.resource["metadata"], "enable-guest-attributes") or "").strip().lower()
+            vm = inst.vm if inst.status == "RUNNING" else None
+        if enabled not in ("true", "1", "yes"):
+            raise ApiError(400, "badRequest", "Guest Attributes are not enabled.")
+        # What the guest agent publishes once the VM booted: its sshd host keys.
+        attributes = [("hostkeys", kind, blob) for kind, blob in vm.host_keys()] if vm else []
+        variable_key = _one(req.query, "variableKey")
+        self_link = f"{inst.path}/guestAttributes/"
+        if variable_key:
+            for namespace, key, value in attributes:
+                if f"{namespace}/{key}" == variable_key.strip("/"):
+                    return {
+                        "kind": "compute#guestAttributes",
+                        "variableKey": variable_key,
+                        "variableValue": value,
+                        "selfLink": Link(self_link + variable_key),
+                    }
+            raise errors.ApiError(
+                404, "notFound", f"The resource '{variable_key}' of type 'Guest Attribute' was not found."
+            )
+        query_path = _one(req.query, "queryPath") or ""
+        parts = [p for p in query_path.split("/") if p]
+        items = [
+            {"namespace": ns, "key": key, "value": value}
+            for ns, key, value in attributes
+            if parts == [] or parts == [ns] or parts == [ns, key]
+        ]
+        if not items:
+            raise errors.ApiError(
+                404, "notFound", f"The resource '{query_path}' of type 'Guest Attribute' was not found."
+            )
+        return {
+            "kind": "compute#guestAttributes",
+            "queryPath": query_path,
+            "queryValue": {"items": items},
+            "selfLink": Link(self_link + query_path),
+        }
+
+    # ----- operations ----------------------------------------------------------------------
+
+    def _new_operation(self, inst: Instance, operation_type: str, request_id: str | None) -> dict:
+        name = new_operation_name()
+        op = {
+            "kind": "compute#operation",
+            "id": new_id(),
+            "name": name,
+            "zone": Link(f"projects/{inst.project}/zones/{inst.zone}"),
+            "operationType": operation_type,
+            "targetLink": Link(inst.path),
+            "targetId": inst.resource["id"],
+            "status": "PENDING",
+            "user": OPERATION_USER,
+            "progress": 0,
+            "insertTime": now_rfc3339(),
+            "selfLink": Link(f"projects/{inst.project}/zones/{inst.zone}/operations/{name}"),
+        }
+        if request_id:
+            op["clientOperationId"] = request_id
+            self.request_ids[(inst.project, request_id)] = (inst.project, inst.zone, name)
+        self.operations[(inst.project, inst.zone, name)] = op
+        return op
+
+    def _operation(self, project: str, zone: str, name: str) -> dict:
+        op = self.operations.get((project, zone, name))
+        if op is None:
+            raise errors.not_found(f"projects/{project}/zones/{zone}/operations/{name}")
+        return op
+
+    def get_operation(self, project: str, zone: str, operation: str, req: Request) -> dict:
+        with self.lock:
+            return copy.deepcopy(self._operation(project, zone, operation))
+
+    def wait_operation(self, project: str, zone: str, operation: str, req: Request) -> dict:
+        # Like the real `wait`: returns when DONE or after a bounded time (2 min there).
+        with self.changed:
+            op = self._operation(project, zone, operation)
+            self.changed.wait_for(lambda: op["status"] == "DONE" or self.closing, self.operation_wait_timeout)
+            return copy.deepcopy(op)
+
+    def _op_running(self, op: dict) -> None:
+        with self.changed:
+            op["status"] = "RUNNING"
+            op["startTime"] = now_rfc3339()
+            self.changed.notify_all()
+
+    def _op_done(self, op: dict, error: tuple[str, str] | None = None, http_status: int | None = None) -> None:
+        with self.changed:
+            op["status"] = "DONE"
+            op["progress"] = 100
+            op["endTime"] = now_rfc3339()
+            if error:
+                code, message = error
+                status = http_status or _OPERATION_ERROR_STATUS.get(code, 400)
+                op["error"] = {"errors": [{"code": code, "message": message}]}
+                op["httpErrorStatusCode"] = status
+                op["httpErrorMessage"] = errors.http_reason(status)
+            self.changed.notify_all()
+
+    def _spawn(self, target, inst: Instance, op: dict, *args) -> None:
+        threading.Thread(target=self._run_worker, args=(target, inst, op, args), daemon=True).start()
+
+    def _run_worker(self, target, inst: Instance, op: dict, args: tuple) -> None:
+        try:
+            target(inst, op, *args)
+        except Exception as exc:
+            # Never leave an operation hanging: clients poll it until DONE.
+            log.exception("%s of %s failed", op["operationType"], inst.path)
+            if op["status"] != "DONE":
+                self._op_done(op, ("INTERNAL_ERROR", f"localcloud: {exc}"), 500)
+
+    def _run_insert(self, inst: Instance, op: dict, fault: dict | None) -> None:
+        self._op_running(op)
+        if fault is not None:
+            code = fault.get("code", "ZONE_RESOURCE_POOL_EXHAUSTED")
+            message = fault.get(
+                "message",
+                f"The zone 'projects/{inst.project}/zones/{inst.zone}' does not have enough resources "
+                "available to fulfill the request.  Try a different zone, or try again later.",
+            )
+            with self.lock:
+                if fault.get("leave_instance"):
+                    # A stopped instance keeps its internal IP but loses its ephemeral external IP.
+                    inst.resource["status"] = "TERMINATED"
+                    for access in inst.resource["networkInterfaces"][0].get("accessConfigs") or []:
+                        access.pop("natIP", None)
+                else:
+                    self.instances.pop((inst.project, inst.zone, inst.name), None)
+            self._op_done(op, (code, message), fault.get("http_status"))
+            return
+        try:
+            with inst.work_lock:
+                with self.lock:
+                    if inst.deleting or self.closing:
+                        raise RuntimeError("instance deleted while being created")
+                    inst.resource["status"] = "STAGING"
+                    metadata = copy.deepcopy(inst.resource["metadata"])
+                vm = SandboxVM(self.state_dir, inst.name, inst.ip)
+                inst.vm = vm
+                vm.prepare()
+                GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
+                vm.start()
+                vm.wait_ready(self.vm_ready_timeout)
+                with self.lock:
+                    if not inst.deleting:
+                        inst.resource["status"] = "RUNNING"
+                        inst.resource["lastStartTimestamp"] = now_rfc3339()
+                        inst.resource["cpuPlatform"] = "Intel Emerald Rapids"
+        except Exception as exc:
+            log.exception("insert of %s failed", inst.path)
+            with self.lock:
+                if not inst.deleting:
+                    inst.resource["status"] = "TERMINATED"
+            if inst.vm is not None:
+                try:
+                    inst.vm.stop()
+                except Exception:
+                    log.exception("stopping failed VM %s", inst.name)
+            self._op_done(op, ("INTERNAL_ERROR", f"localcloud: VM failed to start: {exc}"))
+            return
+        self._op_done(op)
+
+    def _run_delete(self, inst: Instance, op: dict) -> None:
+        self._op_running(op)
+        with inst.work_lock:
+            if inst.vm is not None:
+                inst.vm.destroy(self.state_dir / "deleted")
+            inst.vm = None
+        with self.lock:
+            self.instances.pop((inst.project, inst.zone, inst.name), None)
+        self._op_done(op)
+
+    def _run_set_metadata(self, inst: Instance, op: dict) -> None:
+        self._op_running(op)
+        with inst.work_lock:
+            with self.lock:
+                metadata = copy.deepcopy(inst.resource["metadata"])
+            if inst.vm is not None and inst.vm.alive():
+                GuestAccounts(inst.vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
+        self._op_done(op)
+
+    def _allocate_ip(self) -> str:
+        """Lowest free 127.0.0.N (N >= 2): not held by an instance, and port 22 bindable."""
+        used = {i.ip for i in self.instances.values() if i.ip}
+        for n in range(2, 255):
+            ip = f"127.0.0.{n}"
+            if ip not in used and _port_free(ip, 22):
+                return ip
+        raise ApiError(503, "backendError", "localcloud: no free loopback address for another VM.")
+
+    # ----- emulator control ----------------------------------------------------------------
+
+    def vms(self) -> list[dict]:
+        with self.lock:
+            instances = list(self.instances.values())
+        result = []
+        for inst in instances:
+            vm = inst.vm
+            if vm is None or not vm.alive():
+                continue
+            users = GuestAccounts(vm.root, None).managed_users()
+            result.append(
+                {
+                    "name": inst.name,
+                    "project": inst.project,
+                    "zone": inst.zone,
+                    "ip": inst.ip,
+                    "pid": vm.pid,
+                    "sshd_pid": vm.ns_init_pid,
+                    "status": inst.status,
+                    "users": sorted(users),
+                }
+            )
+        return result
+
+    def shutdown(self) -> None:
+        """Delete every VM (used on SIGTERM/SIGINT)."""
+        with self.changed:
+            self.closing = True
+            self.changed.notify_all()
+            instances = list(self.instances.values())
+
+        def destroy(inst: Instance) -> None:
+            with inst.work_lock:
+                if inst.vm is not None:
+                    inst.vm.destroy(self.state_dir / "deleted")
+                    inst.vm = None
+
+        threads = [threading.Thread(target=destroy, args=(i,)) for i in instances]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with self.lock:
+            self.instances.clear()
+
+
+def _stored_metadata(metadata: dict) -> dict:
+    stored = {"kind": "compute#metadata", "fingerprint": new_fingerprint()}
+    if metadata.get("items"):
+        stored["items"] = copy.deepcopy(metadata["items"])
+    return stored
+
+
+def _skel(image_dir: Path | None) -> Path | None:
+    return image_dir / "skel" if image_dir else None
+
+
+def _one(query: dict, key: str) -> str | None:
+    values = query.get(key)
+    return values[-1] if values else None
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
+# ----- HTTP ----------------------------------------------------------------------------------
+
+
+class ControlApi:
+    """/_localcloud/: the emulator's own controls (never part of the Compute Engine API)."""
+
+    def __init__(self, emulator: ComputeEmulator) -> None:
+        self.emulator = emulator
+
+    def dispatch(self, method: str, path: str, body: object) -> tuple[int, object]:
+        emulator = self.emulator
+        what = path[len(CONTROL_PREFIX) :].rstrip("/")
+        if what == "requests" and method == "GET":
+            return 200, emulator.request_log.read()
+        if what == "requests" and method == "DELETE":
+            emulator.request_log.clear()
+            return 200, {}
+        if what == "faults" and method == "POST":
+            return 200, emulator.faults.replace(body if body is not None else {})
+        if what == "faults" and method == "GET":
+            return 200, emulator.faults.current()
+        if what == "vms" and method == "GET":
+            return 200, emulator.vms()
+        raise ApiError(404, "notFound", f"No control endpoint {method} {path}.")
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "localcloud-compute/1"
+    emulator: ComputeEmulator  # set on the subclass made by make_server
+    control: ControlApi
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def _handle(self, method: str) -> None:
+        url = urlsplit(self.path)
+        path = url.path
+        query = parse_qs(url.query, keep_blank_values=True)
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
+        base = f"http://{host}{API_PREFIX}"
+        body: object = None
+        try:
+            if raw.strip():
+                try:
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    body = raw.decode(errors="replace")
+                    raise errors.bad_payload(f"Invalid JSON payload received. {exc}.", "") from None
+            if path.startswith(CONTROL_PREFIX):
+                status, payload = self.control.dispatch(method, path, body)
+            elif path.startswith(API_PREFIX):
+                status, payload = self.emulator.dispatch(method, path, Request(query, body, base))
+            else:
+                raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server.")
+        except ApiError as exc:
+            status, payload = exc.code, exc.body()
+        except Exception:
+            log.error("unhandled error on %s %s:\n%s", method, self.path, traceback.format_exc())
+            status, payload = 500, ApiError(500, "backendError", "Internal error (localcloud).").body()
+        if not path.startswith(CONTROL_PREFIX):
+            # Logged before answering: a client that got its answer finds its request logged.
+            self.emulator.request_log.append(
+                {
+                    "time": now_rfc3339(),
+                    "method": method,
+                    "path": path,
+                    "query": {k: v[0] if len(v) == 1 else v for k, v in query.items()},
+                    "body": body,
+                    "status": status,
+                }
+            )
+        data = json.dumps(render(payload, base), indent=1).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("%s - %s", self.address_string(), format % args)
+
+
+class EmulatorServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # Do not join request threads on close: an operation `wait` may be parked for minutes.
+    block_on_close = False
+
+
+def make_server(emulator: ComputeEmulator, host: str = "127.0.0.1", port: int = 0) -> EmulatorServer:
+    handler = type("BoundHandler", (Handler,), {"emulator": emulator, "control": ControlApi(emulator)})
+    return EmulatorServer((host, port), handler)

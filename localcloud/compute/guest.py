@@ -1,0 +1,190 @@
+"""The guest agent's account handling, done from the host side on a VM's files.
+
+Compute Engine's guest agent turns the `ssh-keys` metadata item into local accounts: each
+line `USER:KEYTYPE BASE64 [COMMENT]` makes USER exist (home from the image's skel) and
+writes exactly that user's keys to `~/.ssh/authorized_keys`. Users whose keys disappear
+from the metadata keep their account but lose their keys. No sudo is granted here.
+
+The VM's /etc/passwd, /etc/group and /etc/shadow are per-VM files bind-mounted over the
+originals, so they are edited in place (truncate + write): a rename would leave the bind
+mount pointing at the old inode.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+_USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
+_KEY_TYPES = re.compile(r"(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|sk-\S+)")
+FIRST_UID = 1001
+
+
+def parse_ssh_keys(value: str, now: dt.datetime | None = None) -> dict[str, list[str]]:
+    """`ssh-keys` metadata → {user: [key lines]}; invalid and expired lines are skipped."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    keys: dict[str, list[str]] = {}
+    for line in value.splitlines():
+        line = line.strip()
+        if not line or ":" not in line:
+            continue
+        user, key = line.split(":", 1)
+        key = key.strip()
+        fields = key.split()
+        if not _USER.fullmatch(user) or len(fields) < 2 or not _KEY_TYPES.fullmatch(fields[0]):
+            continue
+        if _expired(fields, now):
+            continue
+        keys.setdefault(user, []).append(key)
+    return keys
+
+
+def _expired(fields: list[str], now: dt.datetime) -> bool:
+    # gcloud's ssh keys end in `google-ssh {"userName": ..., "expireOn": ...}`.
+    if len(fields) < 4 or fields[2] != "google-ssh":
+        return False
+    try:
+        expire_on = json.loads(" ".join(fields[3:])).get("expireOn")
+        when = dt.datetime.fromisoformat(expire_on.replace("Z", "+00:00"))
+    except (ValueError, AttributeError, TypeError):
+        return False
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return when <= now
+
+
+def metadata_value(metadata: dict | None, key: str) -> str | None:
+    for item in (metadata or {}).get("items") or []:
+        if item.get("key") == key:
+            return item.get("value")
+    return None
+
+
+class GuestAccounts:
+    """Accounts of one VM, given its host-side directory (see vm.SandboxVM)."""
+
+    def __init__(self, vm_dir: Path, skel: Path | None) -> None:
+        self.vm_dir = vm_dir
+        self.skel = skel if skel and skel.is_dir() else None
+        self.etc = vm_dir / "etc"
+        self.home = vm_dir / "home"
+        self.state_file = vm_dir / "guest-users.json"
+
+    def managed_users(self) -> dict[str, int]:
+        """Users the agent has created or given keys: {name: number of keys}."""
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def apply_metadata(self, metadata: dict | None) -> None:
+        keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
+        passwd = _read_table(self.etc / "passwd")
+        managed = self.managed_users()
+        for user, user_keys in keys.items():
+            entry = passwd.get(user)
+            if entry is None:
+                entry = self._create_user(user, passwd)
+            elif self._host_home(entry) is None:
+                # System accounts other than root (sshd, daemon, ...) are left alone.
+                continue
+            self._write_keys(user, entry, user_keys)
+            managed[user] = len(user_keys)
+        for user in list(managed):
+            if user not in keys and user in passwd:
+                self._write_keys(user, passwd[user], [])
+                managed[user] = 0
+        self.state_file.write_text(json.dumps(managed, sort_keys=True))
+
+    def _create_user(self, user: str, passwd: dict[str, list[str]]) -> list[str]:
+        group = _read_table(self.etc / "group")
+        used_uids = {int(e[2]) for e in passwd.values()}
+        used_gids = {int(e[2]) for e in group.values()}
+        uid = FIRST_UID
+        while uid in used_uids:
+            uid += 1
+        gid = uid
+        while gid in used_gids:
+            gid += 1
+        entry = [user, "x", str(uid), str(gid), "", f"/home/{user}", "/bin/bash"]
+        days = (dt.date.today() - dt.date(1970, 1, 1)).days
+        # `*` (not `!`) in the password field: no password, yet not "locked" for sshd.
+        _append_line(self.etc / "group", f"{user}:x:{gid}:")
+        _append_line(self.etc / "shadow", f"{user}:*:{days}:0:99999:7:::")
+        _append_line(self.etc / "passwd", ":".join(entry))
+        passwd[user] = entry
+
+        home = self.home / user
+        home.mkdir(mode=0o750, exist_ok=True)
+        if self.skel:
+            subprocess.run(["cp", "-a", "--", f"{self.skel}/.", str(home)], check=True)
+        _chown_tree(home, uid, gid)
+        # StrictModes: the home must not be group/world writable.
+        os.chmod(home, 0o750)
+        return entry
+
+    def _host_home(self, entry: list[str]) -> Path | None:
+        """Host path of a user's home, if it is one of the VM's own directories."""
+        home = entry[5]
+        if home == "/root" and entry[2] == "0":
+            # The VM's /root is its own; keys written there are refused by sshd anyway
+            # (PermitRootLogin no), as on Compute Engine images.
+            return self.vm_dir / "root"
+        if int(entry[2]) >= 1000 and home.startswith("/home/") and "/../" not in home:
+            return self.home / home[len("/home/") :]
+        return None
+
+    def _write_keys(self, user: str, entry: list[str], keys: list[str]) -> None:
+        uid, gid = int(entry[2]), int(entry[3])
+        home = self._host_home(entry)
+        if home is None or not home.is_dir() or home.is_symlink():
+            return
+        # Written as root on the host into a directory the VM user controls: never follow a
+        # link the user may have planted.
+        ssh_dir = home / ".ssh"
+        if ssh_dir.is_symlink() or (ssh_dir.exists() and not ssh_dir.is_dir()):
+            ssh_dir.unlink()
+        if not ssh_dir.exists():
+            ssh_dir.mkdir(mode=0o700)
+        os.lchown(ssh_dir, uid, gid)
+        os.chmod(ssh_dir, 0o700)
+        tmp = ssh_dir / ".authorized_keys.localcloud"
+        if tmp.exists() or tmp.is_symlink():
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{key}\n" for key in keys))
+        os.lchown(tmp, uid, gid)
+        os.replace(tmp, ssh_dir / "authorized_keys")
+
+
+def _read_table(path: Path) -> dict[str, list[str]]:
+    table = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            fields = line.split(":")
+            table[fields[0]] = fields
+    return table
+
+
+def _append_line(path: Path, line: str) -> None:
+    # In place (r+ then truncate), never a new file: the VM sees this file via a bind mount.
+    with open(path, "r+") as f:
+        text = f.read()
+        if text and not text.endswith("\n"):
+            text += "\n"
+        f.seek(0)
+        f.write(text + line + "\n")
+        f.truncate()
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+

@@ -1,0 +1,348 @@
+"""Sandbox VMs: one OpenSSH sshd per instance, in its own mount and PID namespaces.
+
+Layout on the host, `STATE_DIR/vms/NAME/`:
+    vm.json        name, ip, host pid (+ start time) of `unshare`, PID namespace, owner pid
+    etc/           the VM's passwd, group, shadow (bind-mounted over /etc/...)
+    etc-ssh/       sshd_config, host keys, moduli (bind-mounted over /etc/ssh)
+    home/ tmp/ var-tmp/ shm/ root/  bind-mounted over /home, /tmp, /var/tmp, /dev/shm, /root
+    sshd.log       sshd's stderr
+`STATE_DIR/vm-etc/` is bind-mounted read-only at /run/localcloud in every VM.
+
+`unshare --pid --fork --kill-child` makes sshd PID 1 of the VM's PID namespace; SIGKILL to the
+host-side unshare kills it, and the kernel then kills every other process of that namespace,
+including ones a user detached with `setsid nohup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+HOST_KEY_TYPES = ("ed25519", "ecdsa", "rsa")
+
+# Runs as PID 1 of the new namespaces, then becomes sshd. $1 = state dir, $2 = VM name.
+# The state dir is first bound at /mnt so that every source stays reachable even when the
+# state dir lives under a directory that is overlaid below (/tmp, /home, /run); that staging
+# mount is dropped again before sshd starts.
+_BOOT_SCRIPT = r"""
+set -eu
+mount --bind "$1" /mnt
+V="/mnt/vms/$2"
+mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
+mkdir -p /run/sshd /run/localcloud
+mount --bind -o ro /mnt/vm-etc /run/localcloud
+mount --bind "$V/etc-ssh" /etc/ssh
+for f in passwd group shadow; do mount --bind "$V/etc/$f" "/etc/$f"; done
+mount --bind "$V/home" /home
+mount --bind "$V/root" /root
+mount --bind "$V/shm" /dev/shm
+mount --bind "$V/var-tmp" /var/tmp
+mount --bind "$V/tmp" /tmp
+umount /mnt
+exec /usr/sbin/sshd -D -e
+"""
+
+_SSHD_CONFIG = """\
+# Written by localcloud: the sshd of a sandbox VM (Compute Engine image defaults).
+ListenAddress {ip}
+Port 22
+HostKey /etc/ssh/ssh_host_ed25519_key
+HostKey /etc/ssh/ssh_host_ecdsa_key
+HostKey /etc/ssh/ssh_host_rsa_key
+PidFile /run/sshd.pid
+PermitRootLogin no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+UsePAM no
+StrictModes yes
+AuthorizedKeysFile .ssh/authorized_keys
+Subsystem sftp internal-sftp
+ClientAliveInterval 120
+ClientAliveCountMax 3
+TCPKeepAlive yes
+AcceptEnv LANG LC_*
+PrintMotd no
+X11Forwarding no
+MaxStartups 100:30:200
+"""
+
+
+class VMError(RuntimeError):
+    pass
+
+
+class SandboxVM:
+    def __init__(self, state_dir: Path, name: str, ip: str, owner_pid: int | None = None) -> None:
+        self.state_dir = state_dir
+        self.name = name
+        self.ip = ip
+        self.owner_pid = owner_pid or os.getpid()
+        self.root = state_dir / "vms" / name
+        self.proc: subprocess.Popen | None = None
+        self.ns_init_pid: int | None = None
+        self.pidns: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def prepare(self) -> None:
+        """Create the VM's files: /etc copies, host keys, sshd_config, empty dirs."""
+        if self.root.exists():
+            shutil.rmtree(self.root)
+        # VM users share uids across VMs (1001, ...): the host path of every VM's files must
+        # stay closed to them; they reach their own only through the bind mounts.
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root.parent, 0o700)
+        (self.state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
+        for sub, mode in (("etc", 0o755), ("etc-ssh", 0o755), ("home", 0o755), ("root", 0o700), ("tmp", 0o1777), ("var-tmp", 0o1777), ("shm", 0o1777)):
+            path = self.root / sub
+            path.mkdir(parents=True)
+            os.chmod(path, mode)
+        for name in ("passwd", "group", "shadow"):
+            shutil.copy2(f"/etc/{name}", self.root / "etc" / name)
+        ssh = self.root / "etc-ssh"
+        if Path("/etc/ssh/moduli").exists():
+            shutil.copy2("/etc/ssh/moduli", ssh / "moduli")
+        # Three key types generated side by side: rsa dominates and runs in parallel.
+        keygens = [
+            subprocess.Popen(
+                ["ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"root@{self.name}", "-f", str(ssh / f"ssh_host_{kind}_key")],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for kind in HOST_KEY_TYPES
+        ]
+        for proc in keygens:
+            _, err = proc.communicate()
+            if proc.returncode:
+                raise VMError(f"ssh-keygen failed: {err.decode(errors='replace')}")
+        (ssh / "sshd_config").write_text(_SSHD_CONFIG.format(ip=self.ip))
+
+    def start(self) -> None:
+        with open(self.root / "sshd.log", "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [
+                    "unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+                    "--propagation", "private",
+                    "/bin/sh", "-c", _BOOT_SCRIPT, "vm-boot", str(self.state_dir), self.name,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                close_fds=True,
+                # Own session: a Ctrl-C or a signal to the emulator's process group must not
+                # kill VMs behind the emulator's back; the emulator deletes them itself.
+                start_new_session=True,
+            )
+        self._write_record()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until sshd answers with its banner on IP:22 (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                raise VMError(f"sshd of VM {self.name} exited during boot: {self.log_tail()}")
+            try:
+                with socket.create_connection((self.ip, 22), timeout=1.0) as sock:
+                    if sock.recv(64).startswith(b"SSH-"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise VMError(f"sshd of VM {self.name} not ready after {timeout}s: {self.log_tail()}")
+            time.sleep(0.02)
+        # unshare's only child is the VM's PID 1 (sshd); its namespace identifies the VM's
+        # processes for the wait at deletion.
+        children = _children(self.proc.pid)
+        self.ns_init_pid = children[0] if children else None
+        self.pidns = _pidns(self.ns_init_pid) if self.ns_init_pid else None
+        self._write_record()
+
+    def log_tail(self, size: int = 2000) -> str:
+        try:
+            return (self.root / "sshd.log").read_text(errors="replace")[-size:]
+        except FileNotFoundError:
+            return ""
+
+    def host_keys(self) -> list[tuple[str, str]]:
+        """[(key type, base64 blob)] as the guest agent publishes them in guest attributes."""
+        keys = []
+        for kind in HOST_KEY_TYPES:
+            path = self.root / "etc-ssh" / f"ssh_host_{kind}_key.pub"
+            if path.exists():
+                fields = path.read_text().split()
+                keys.append((fields[0], fields[1]))
+        return keys
+
+    def manifest(self) -> list[dict]:
+        """Regular files under the VM's /dev/shm and /home: [{path, size}], VM-relative."""
+        entries = []
+        for top, prefix in ((self.root / "shm", "dev/shm"), (self.root / "home", "home")):
+            for dirpath, _dirnames, filenames in os.walk(top):
+                for filename in filenames:
+                    path = Path(dirpath) / filename
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode):
+                        entries.append({"path": f"{prefix}/{path.relative_to(top)}", "size": st.st_size})
+        return sorted(entries, key=lambda e: e["path"])
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Kill every process of the VM and wait until they are gone."""
+        if self.proc is None:
+            return
+        # Once reaped, the unshare pid may belong to someone else, and a dead VM's namespace
+        # inode may name a new VM's namespace: only a live VM is killed and waited for.
+        alive = self.proc.poll() is None
+        if alive:
+            _kill(self.proc.pid)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise VMError(f"unshare of VM {self.name} (pid {self.proc.pid}) did not exit")
+        if alive and self.pidns:
+            _wait_namespace_empty(self.pidns, timeout)
+
+    def destroy(self, deleted_dir: Path | None) -> None:
+        """Stop the VM, record its files in `deleted_dir/NAME.json`, remove its directory."""
+        self.stop()
+        if deleted_dir is not None and self.root.exists():
+            deleted_dir.mkdir(parents=True, exist_ok=True)
+            tmp = deleted_dir / f".{self.name}.json.tmp"
+            tmp.write_text(json.dumps(self.manifest(), indent=1))
+            os.replace(tmp, deleted_dir / f"{self.name}.json")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _write_record(self) -> None:
+        record = {
+            "name": self.name,
+            "ip": self.ip,
+            "pid": self.pid,
+            "starttime": _starttime(self.pid) if self.pid else None,
+            "ns_init_pid": self.ns_init_pid,
+            "pidns": self.pidns,
+            "owner_pid": self.owner_pid,
+        }
+        tmp = self.root / ".vm.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.root / "vm.json")
+
+
+def reap_stale(state_dir: Path, only_owner: int | None = None, timeout: float = 15.0) -> list[str]:
+    """Kill the processes of VMs left behind by a dead emulator and remove their dirs.
+
+    With `only_owner`, only VMs started by that emulator pid are touched (so a launcher that
+    cleans up after its own emulator never hits a newer emulator's VMs on the same dir).
+    Returns the names reaped.
+    """
+    reaped = []
+    vms_dir = state_dir / "vms"
+    if not vms_dir.is_dir():
+        return reaped
+    for root in sorted(vms_dir.iterdir()):
+        try:
+            record = json.loads((root / "vm.json").read_text())
+        except (FileNotFoundError, ValueError):
+            record = None
+        if only_owner is not None and (record is None or record.get("owner_pid") != only_owner):
+            continue
+        if record:
+            pid = record.get("pid")
+            # The recorded start time guards against killing an unrelated process that
+            # reused the pid.
+            if pid and _starttime(pid) == record.get("starttime"):
+                _kill(pid)
+                _wait(lambda: not _running(pid), timeout)
+                # Only a namespace whose unshare was still alive is checked: a dead one's
+                # namespace died with it, and its inode number may name a new one by now.
+                if record.get("pidns"):
+                    _wait_namespace_empty(record["pidns"], timeout)
+        shutil.rmtree(root, ignore_errors=True)
+        reaped.append(root.name)
+    return reaped
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _wait(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _wait_namespace_empty(pidns: str, timeout: float) -> None:
+    # The kernel kills a PID namespace's processes when its init dies; anything still there
+    # after that (it should not happen) is killed by hand.
+    if _wait(lambda: not pids_in_namespace(pidns), min(timeout, 5.0)):
+        return
+    for pid in pids_in_namespace(pidns):
+        _kill(pid)
+    if not _wait(lambda: not pids_in_namespace(pidns), timeout):
+        raise VMError(f"processes of PID namespace {pidns} survive: {pids_in_namespace(pidns)}")
+
+
+def pids_in_namespace(pidns: str) -> list[int]:
+    """Live (non-zombie) host pids whose PID namespace is `pidns` ("pid:[4026...]")."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if _pidns(pid) == pidns and _running(pid):
+            pids.append(pid)
+    return pids
+
+
+def _pidns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after "(comm)"; comm itself may contain spaces and parentheses.
+    return data[data.rindex(")") + 2 :].split()
+
+
+def _starttime(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
+
+
+def _running(pid: int) -> bool:
+    """Exists and is not a zombie (a zombie holds no socket, file or mount any more)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]

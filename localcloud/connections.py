@@ -1,0 +1,57 @@
+"""Airflow connections that point the pipeline at the local cloud.
+
+These are the only things that differ from a Google Cloud deployment: the Compute API endpoint
+(the connection extra `compute_api_endpoint`), anonymous credentials, the VM login key, and a
+stand-in Hugging Face token. They are given as AIRFLOW_CONN_* environment variables, the way a
+deployment gives them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+LOCAL_PROJECT = "local-project"
+VM_USER = "maxtext"
+
+# Run conf for the local cloud: only values that have no tutorial default, plus fast polling.
+LOCAL_RUN_CONF = {
+    "project_id": LOCAL_PROJECT,
+    "reservation": "local-reservation",
+    "poke_interval_seconds": 2,
+    "ssh_connect_timeout_seconds": 10,
+}
+
+
+def generate_ssh_private_key() -> str:
+    """A fresh Ed25519 key in OpenSSH format (what the SSH connection's private_key extra holds)."""
+    key = Ed25519PrivateKey.generate()
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    ).decode()
+
+
+def new_hf_token() -> str:
+    return "hf_local_" + secrets.token_hex(16)
+
+
+def airflow_connection_env(compute_endpoint: str, ssh_private_key: str, hf_token: str) -> dict[str, str]:
+    google = {
+        "conn_type": "google_cloud_platform",
+        "extra": {"project": LOCAL_PROJECT, "is_anonymous": True, "compute_api_endpoint": compute_endpoint},
+    }
+    vm_ssh = {
+        "conn_type": "ssh",
+        "login": VM_USER,
+        # Host keys are not checked yet: the VMs publish theirs as guest attributes (a later issue).
+        "extra": {"private_key": ssh_private_key, "no_host_key_check": True},
+    }
+    hugging_face = {"conn_type": "generic", "password": hf_token}
+    return {
+        "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": json.dumps(google),
+        "AIRFLOW_CONN_MAXTEXT_SFT_VM_SSH": json.dumps(vm_ssh),
+        "AIRFLOW_CONN_HUGGINGFACE_DEFAULT": json.dumps(hugging_face),
+    }

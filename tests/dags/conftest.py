@@ -1,0 +1,95 @@
+"""Fixtures that run the pipeline DAG against the local cloud with `dag.test()`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from localcloud.cloud import LocalCloud
+from localcloud.connections import LOCAL_RUN_CONF, airflow_connection_env, generate_ssh_private_key, new_hf_token
+from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="session")
+def local_cloud(tmp_path_factory):
+    image = build_fast_image()
+    with LocalCloud(tmp_path_factory.mktemp("cloud"), images={TUTORIAL_IMAGE: image}) as cloud:
+        yield cloud
+
+
+@pytest.fixture(scope="session")
+def hf_token() -> str:
+    return new_hf_token()
+
+
+@pytest.fixture(scope="session")
+def pipeline_connections(local_cloud, hf_token):
+    env = airflow_connection_env(local_cloud.compute_endpoint, generate_ssh_private_key(), hf_token)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@dataclasses.dataclass
+class PipelineRun:
+    state: str
+    run_id: str
+    task_states: dict[str, str]
+    xcoms: dict[str, object]
+
+
+@pytest.fixture(scope="session")
+def pipeline_dag(airflow_db):
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(str(REPO / "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["maxtext_sft"]
+
+
+@pytest.fixture(scope="session")
+def run_pipeline(pipeline_dag, pipeline_connections, local_cloud):
+    """Run the DAG once: `conf` over the local defaults, with the given cloud and MaxText faults."""
+
+    def run(conf: dict | None = None, *, maxtext_faults: dict | None = None, cloud_faults: dict | None = None):
+        local_cloud.set_vm_file("maxtext-faults.json", json.dumps(maxtext_faults or {}))
+        local_cloud.set_faults(cloud_faults or {})
+        local_cloud.clear_requests()
+        try:
+            run_conf = {**LOCAL_RUN_CONF, "steps": 30, "poke_interval_seconds": 1, **(conf or {})}
+            return collect(pipeline_dag.test(run_conf=run_conf))
+        finally:
+            local_cloud.set_vm_file("maxtext-faults.json", "{}")
+            local_cloud.set_faults({})
+
+    return run
+
+
+def collect(dag_run) -> PipelineRun:
+    from airflow.models import TaskInstance
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        tis = session.scalars(
+            select(TaskInstance).where(TaskInstance.dag_id == dag_run.dag_id, TaskInstance.run_id == dag_run.run_id)
+        ).all()
+        xcoms = session.scalars(
+            select(XComModel).where(XComModel.dag_id == dag_run.dag_id, XComModel.run_id == dag_run.run_id)
+        ).all()
+        return PipelineRun(
+            state=str(dag_run.state),
+            run_id=dag_run.run_id,
+            task_states={ti.task_id: str(ti.state) for ti in tis},
+            xcoms={f"{x.task_id}.{x.key}": XComModel.deserialize_value(x) for x in xcoms},
+        )

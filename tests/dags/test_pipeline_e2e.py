@@ -1,0 +1,122 @@
+"""The whole pipeline through `dag.test()` against the local cloud (fast MaxText stand-in)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "gcloud-tutorial-requests.json"
+TUTORIAL_VALUES = {"project_id": "my-project", "zone": "us-east5-b", "reservation": "my-reservation"}
+
+# Fields of the insert body that may differ from gcloud's, and why (see RunSpec.instance_body).
+EXPLAINED_DIFFERENCES = {
+    "name": "unique per DAG run instead of the fixed NAME",
+    "labels": "identify the package, DAG and run",
+    "tags": "a stable network tag Param instead of the per-run name",
+    "metadata": "the pipeline's SSH key and the run's full identity",
+    "serviceAccounts": "gcloud attaches the default service account; the capture endpoint had none",
+}
+
+pytestmark = pytest.mark.e2e
+
+
+def instance_requests(cloud, method: str) -> list[dict]:
+    return [r for r in cloud.requests() if r["method"] == method and "/instances" in r["path"].split("?")[0]]
+
+
+@pytest.fixture(scope="module")
+def happy_run(run_pipeline, local_cloud):
+    run = run_pipeline(TUTORIAL_VALUES)
+    return run, local_cloud.requests()
+
+
+def test_every_task_succeeds_and_the_vm_is_gone(happy_run, local_cloud):
+    run, _ = happy_run
+    assert run.state == "success", run.task_states
+    watcher = run.task_states.pop("fail_run_if_any_task_failed")
+    assert watcher == "skipped"  # nothing failed
+    assert set(run.task_states.values()) == {"success"}, run.task_states
+    assert local_cloud.vms() == []
+    assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 30
+
+
+def test_the_same_vm_was_inserted_then_deleted(happy_run):
+    run, requests = happy_run
+    inserts = [r for r in requests if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")]
+    deletes = [r for r in requests if r["method"] == "DELETE" and "/instances/" in r["path"]]
+    assert len(inserts) == 1 and len(deletes) == 1
+    name = inserts[0]["body"]["name"]
+    assert deletes[0]["path"].split("?")[0].endswith(f"/instances/{name}")
+    assert requests.index(inserts[0]) < requests.index(deletes[0])
+    assert name == run.xcoms["plan_run.vm_name"]
+
+
+def test_the_exported_model_existed_on_the_vm(happy_run, local_cloud):
+    run, _ = happy_run
+    manifest = local_cloud.deleted_manifest(run.xcoms["plan_run.vm_name"])
+    files = {entry["path"] for entry in manifest}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert any(path.endswith(f"gemma3-4b/hf-trained/{name}") for path in files), name
+
+
+def _strip(value, endpoint_prefixes, project):
+    """Resource URLs without the endpoint prefix and without the project's own prefix."""
+    if isinstance(value, dict):
+        return {k: _strip(v, endpoint_prefixes, project) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v, endpoint_prefixes, project) for v in value]
+    if isinstance(value, str):
+        for prefix in endpoint_prefixes:
+            if value.startswith(prefix):
+                value = value[len(prefix) :]
+        return value.removeprefix(f"projects/{project}/")
+    return value
+
+
+def test_insert_body_on_the_wire_equals_the_tutorials_gcloud_request(happy_run, local_cloud):
+    _, requests = happy_run
+    reference = json.loads(REFERENCE.read_text())
+    gcloud_body = next(r["body"] for r in reference["requests"] if r["method"] == "POST")
+    ours = next(
+        r["body"] for r in requests if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")
+    )
+    prefixes = ["http://127.0.0.1:8999/compute/v1/", local_cloud.compute_endpoint]
+    gcloud_body = _strip(gcloud_body, prefixes, "my-project")
+    ours = _strip(ours, prefixes, "my-project")
+
+    for field in sorted(set(gcloud_body) | set(ours)):
+        if field in EXPLAINED_DIFFERENCES:
+            continue
+        assert ours.get(field) == gcloud_body.get(field), f"field {field!r} differs from gcloud's request"
+    assert set(ours) - set(gcloud_body) <= set(EXPLAINED_DIFFERENCES), set(ours) - set(gcloud_body)
+    # The explained differences are what they claim to be.
+    assert ours["tags"] == {"items": ["maxtext-sft"]}
+    assert ours["labels"]["managed-by"] == "airflow-maxtext-sft"
+    assert ours["serviceAccounts"][0]["scopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
+    assert {item["key"] for item in ours["metadata"]["items"]} == {"ssh-keys", "airflow-dag-id", "airflow-run-id"}
+
+
+def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, capfd):
+    run = run_pipeline(
+        {"training_timeout_hours": 1, "steps": 40},
+        maxtext_faults={"train_sft": {"crash_at_step": 7}},
+    )
+    log = capfd.readouterr().out
+    # The first check that saw the dead process failed the sensor (an hour before its timeout) ...
+    assert len(re.findall(r"Training \S+: state failed, last step 6,", log)) == 1
+    assert "Training " not in log.split("state failed, last step 6,")[1].split("Task failed with exception")[0]
+    # ... with the reason and the training log's tail (MaxText's traceback) in its error.
+    error = log[log.index("ended without its final checkpoint") - 300 :]
+    assert "exit code 1, last step 6" in error
+    assert "Traceback (most recent call last)" in error
+    assert "AirflowSensorTimeout" not in log
+    assert run.state == "failed", run.task_states
+    assert run.task_states["wait_for_final_checkpoint"] == "failed"
+    assert run.task_states["export_to_hf"] == "upstream_failed"
+    assert run.task_states["delete_vm"] == "success"
+    assert run.task_states["fail_run_if_any_task_failed"] == "failed"
+    assert local_cloud.vms() == []
+    assert len(instance_requests(local_cloud, "DELETE")) == 1

@@ -1,0 +1,519 @@
+"""The Compute Engine emulator, through the clients the project uses, and its sshd VMs."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import paramiko
+import pytest
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+from googleapiclient.errors import HttpError
+
+from localcloud.cloud import LocalCloud, LocalCloudError
+from localcloud.compute.vm import pids_in_namespace
+
+from localcloud.compute.testing import TUTORIAL_IMAGE_KEY, discovery_client, instance_body, wait_operation
+
+# The project and zone the conftest fixtures use.
+PROJECT = "lc-test-project"
+ZONE = "us-east5-b"
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE_CANDIDATES = [
+    REPO.parent / "shared/reference/gcloud-tutorial-requests.json",
+    Path("/work/shared/reference/gcloud-tutorial-requests.json"),
+]
+
+
+def error_of(exc: HttpError) -> dict:
+    return json.loads(exc.content)["error"]
+
+
+def ssh_keys_line(user: str, key: paramiko.PKey) -> str:
+    return f"{user}:{key.get_name()} {key.get_base64()} {user}"
+
+
+def ssh(ip: str, user: str, key: paramiko.PKey, host_keys: paramiko.HostKeys | None = None) -> paramiko.SSHClient:
+    client = paramiko.SSHClient()
+    if host_keys is None:
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    else:
+        for hostname, keys in host_keys.items():
+            for key_type, host_key in keys.items():
+                client.get_host_keys().add(hostname, key_type, host_key)
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect(ip, 22, username=user, pkey=key, look_for_keys=False, allow_agent=False, timeout=10, auth_timeout=10)
+    return client
+
+
+def run(client: paramiko.SSHClient, command: str) -> str:
+    _, stdout, stderr = client.exec_command(command, timeout=20)
+    out = stdout.read().decode()
+    status = stdout.channel.recv_exit_status()
+    assert status == 0, f"{command!r} exited {status}: {stderr.read().decode()}"
+    return out
+
+
+def port_open(ip: str, port: int = 22) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def body_for(name: str, **kwargs) -> dict:
+    return instance_body(name, zone=ZONE, **kwargs)
+
+
+def wait(discovery, operation) -> dict:
+    return wait_operation(discovery, operation, project=PROJECT, zone=ZONE)
+
+
+def delete_and_wait(discovery, name: str) -> dict:
+    return wait(discovery, discovery.instances().delete(project=PROJECT, zone=ZONE, instance=name).execute())
+
+
+# ----- API through the client libraries ---------------------------------------------------
+
+
+def test_instances_client_lifecycle(compute_cloud, compute_instances_client, compute_discovery):
+    client, discovery = compute_instances_client, compute_discovery
+    name = "lc-api-1"
+    body = body_for(name, labels={"run": "r-1", "team": "ml"})
+    request_id = str(uuid.uuid4())
+    insert_request = compute_v1.InsertInstanceRequest(
+        project=PROJECT, zone=ZONE, instance_resource=compute_v1.Instance.from_json(json.dumps(body)), request_id=request_id
+    )
+    operation = client.insert(request=insert_request)
+    # The work is asynchronous: the insert answers before the VM is up.
+    assert operation.name.startswith("operation-")
+    assert operation.status != compute_v1.Operation.Status.DONE
+
+    # A retry with the same requestId is the same operation, not a 409.
+    again = client.insert(request=insert_request)
+    assert again.name == operation.name
+
+    op = wait(discovery, operation.name)
+    assert "error" not in op
+    assert op["operationType"] == "insert" and op["progress"] == 100
+    assert op["targetLink"] == f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}/instances/{name}"
+    for stamp in ("insertTime", "startTime", "endTime"):
+        dt.datetime.fromisoformat(op[stamp])
+
+    instance = client.get(project=PROJECT, zone=ZONE, instance=name)
+    assert instance.status == "RUNNING"
+    nic = instance.network_interfaces[0]
+    assert re.fullmatch(r"127\.0\.0\.\d+", nic.network_i_p) and nic.network_i_p != "127.0.0.1"
+    assert nic.access_configs[0].nat_i_p == nic.network_i_p
+    assert port_open(nic.network_i_p)
+
+    raw = discovery.instances().get(project=PROJECT, zone=ZONE, instance=name).execute()
+    assert raw["kind"] == "compute#instance" and raw["id"].isdigit()
+    assert raw["selfLink"] == op["targetLink"] and raw["id"] == op["targetId"]
+    assert raw["machineType"] == f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}/machineTypes/ct6e-standard-8t"
+    assert raw["labels"] == {"run": "r-1", "team": "ml"}
+    assert raw["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    dt.datetime.fromisoformat(raw["creationTimestamp"])
+
+    # list and aggregatedList with filters.
+    def listed(flt):
+        return [i.name for i in client.list(request={"project": PROJECT, "zone": ZONE, "filter": flt})]
+
+    assert listed('labels.run = "r-1" AND status = RUNNING') == [name]
+    assert listed(f'name = "{name}"') == [name]
+    assert listed('labels.run = "other"') == []
+    assert listed('labels.run = "r-1" AND status = TERMINATED') == []
+    aggregated = discovery.instances().aggregatedList(project=PROJECT, filter='labels.team = "ml"').execute()
+    assert [i["name"] for i in aggregated["items"][f"zones/{ZONE}"]["instances"]] == [name]
+    pairs = client.aggregated_list(request={"project": PROJECT, "filter": 'labels.run = "r-1"'})
+    assert [(zone, [i.name for i in scoped.instances]) for zone, scoped in pairs if scoped.instances] == [(f"zones/{ZONE}", [name])]
+
+    # Same name, different requestId: 409.
+    with pytest.raises(gexc.Conflict) as conflict:
+        client.insert(project=PROJECT, zone=ZONE, instance_resource=compute_v1.Instance.from_json(json.dumps(body)))
+    assert conflict.value.errors[0]["reason"] == "alreadyExists"
+
+    # Guest attributes were not enabled on this instance.
+    with pytest.raises(HttpError) as disabled:
+        discovery.instances().getGuestAttributes(project=PROJECT, zone=ZONE, instance=name, queryPath="hostkeys/").execute()
+    assert disabled.value.resp.status == 400
+
+    deleted = delete_and_wait(discovery, name)
+    assert deleted["operationType"] == "delete" and "error" not in deleted
+    with pytest.raises(gexc.NotFound) as missing:
+        client.get(project=PROJECT, zone=ZONE, instance=name)
+    assert missing.value.message.endswith(f"The resource 'projects/{PROJECT}/zones/{ZONE}/instances/{name}' was not found")
+    assert not port_open(nic.network_i_p)
+
+    logged = [
+        r
+        for r in compute_cloud.requests()
+        if r["method"] == "POST" and r["path"].endswith("/instances") and (r["body"] or {}).get("name") == name
+    ]
+    assert [r["status"] for r in logged] == [200, 200, 409]
+    assert logged[0]["body"]["labels"] == {"run": "r-1", "team": "ml"}
+    assert logged[0]["query"]["requestId"] == request_id
+
+
+def test_bad_bodies_are_rejected(compute_discovery):
+    instances = compute_discovery.instances()
+
+    def rejected(body) -> tuple[int, dict]:
+        with pytest.raises(HttpError) as exc:
+            instances.insert(project=PROJECT, zone=ZONE, body=body).execute()
+        return exc.value.resp.status, error_of(exc.value)
+
+    body = body_for("lc-bad-1")
+    body["bogusField"] = 1
+    status, error = rejected(body)
+    assert status == 400 and '"bogusField"' in error["message"]
+
+    body = body_for("lc-bad-1")
+    body["disks"][0]["initializeParams"]["diskSizeGbs"] = "1"
+    status, error = rejected(body)
+    assert status == 400 and "diskSizeGbs" in error["message"] and "disks[0].initialize_params" in error["message"]
+
+    body = body_for("lc-bad-1")
+    body["canIpForward"] = "yes"
+    status, error = rejected(body)
+    assert status == 400 and "can_ip_forward" in error["message"]
+
+    status, error = rejected(body_for("Bad_Name"))
+    assert status == 400 and "resource.name" in error["message"]
+
+    status, error = rejected(body_for("lc-bad-1", labels={"run": "manual__2026-11-29T22:29:25+00:00"}))
+    assert status == 400 and error["errors"][0]["reason"] == "invalid"
+
+    body = body_for("lc-bad-1")
+    del body["machineType"]
+    status, error = rejected(body)
+    assert status == 400 and "machineType" in error["message"]
+
+    body = body_for("lc-bad-1")
+    body["disks"][0]["initializeParams"]["sourceImage"] = "projects/ubuntu-os-cloud/global/images/family/no-such-family"
+    status, error = rejected(body)
+    assert status == 404 and error["errors"][0]["reason"] == "notFound"
+    assert error["message"] == "The resource 'projects/ubuntu-os-cloud/global/images/family/no-such-family' was not found"
+
+    with pytest.raises(HttpError) as exc:
+        instances.get(project=PROJECT, zone=ZONE, instance="lc-bad-1").execute()
+    assert exc.value.resp.status == 404
+
+
+# ----- gcloud ---------------------------------------------------------------------------------
+
+
+def test_gcloud_tutorial_commands_match_reference(compute_cloud, tmp_path):
+    reference_file = next((p for p in REFERENCE_CANDIDATES if p.exists()), None)
+    if reference_file is None:
+        pytest.fail(f"reference capture not found in {REFERENCE_CANDIDATES}")
+    if shutil.which("gcloud") is None:
+        pytest.fail("gcloud is not installed")
+    reference = json.loads(reference_file.read_text())
+    env = {
+        **os.environ,
+        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud-config"),
+        "CLOUDSDK_AUTH_ACCESS_TOKEN": "x",
+        "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
+        # Keep gcloud off the network: no usage reports or update checks, and no "am I on
+        # GCE?" probe (a DNS lookup of metadata.google.internal made for its user agent).
+        "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true",
+        "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
+        "CLOUDSDK_CORE_CHECK_GCE_METADATA": "false",
+        "CLOUDSDK_METRICS_ENVIRONMENT": "localcloud",
+        "GCE_METADATA_ROOT": "127.0.0.1:1",
+        "GCE_METADATA_IP": "127.0.0.1:1",
+    }
+
+    def gcloud(command: str) -> subprocess.CompletedProcess:
+        args = shlex.split(command)
+        assert args[0] == "gcloud"
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    gcloud(f"gcloud config set api_endpoint_overrides/compute {compute_cloud.compute_endpoint}")
+    compute_cloud.clear_requests()
+    created = gcloud(reference["create_command"])
+    assert "my-tpu" in created.stdout and "RUNNING" in created.stdout
+
+    # Everything gcloud sent, compared with the capture (URLs after the endpoint prefix).
+    reference_prefix = re.match(r"https?://[^/]+/compute/v1/", reference["requests"][2]["body"]["machineType"]).group(0)
+    logged = compute_cloud.requests()
+    sent = json.loads(json.dumps([r["body"] for r in logged if r["method"] == "POST" and r["path"].endswith("/instances")]).replace(compute_cloud.compute_endpoint, reference_prefix))
+    expected_post = next(r for r in reference["requests"] if r["method"] == "POST")
+    assert sent == [expected_post["body"]]
+    create_refs = [(r["method"], r["path"].split("?")[0]) for r in reference["requests"] if r["method"] != "DELETE"]
+    seen = [(r["method"], r["path"]) for r in logged]
+    assert [s for s in seen if s in create_refs] == create_refs
+    assert all(r["status"] == 200 for r in logged)
+
+    vm = next(v for v in compute_cloud.vms() if v["name"] == "my-tpu")
+    assert port_open(vm["ip"])
+
+    compute_cloud.clear_requests()
+    gcloud(reference["delete_command"])
+    deletes = [(r["method"], r["path"]) for r in compute_cloud.requests() if r["method"] == "DELETE"]
+    assert deletes == [("DELETE", next(r["path"].split("?")[0] for r in reference["requests"] if r["method"] == "DELETE"))]
+    assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
+    assert not port_open(vm["ip"])
+    assert compute_cloud.deleted_manifest("my-tpu") is not None
+
+
+# ----- the VMs ----------------------------------------------------------------------------------
+
+
+def host_keys_from_guest_attributes(discovery, name: str, ip: str) -> paramiko.HostKeys:
+    result = discovery.instances().getGuestAttributes(project=PROJECT, zone=ZONE, instance=name, queryPath="hostkeys/").execute()
+    host_keys = paramiko.HostKeys()
+    for item in result["queryValue"]["items"]:
+        assert item["namespace"] == "hostkeys"
+        host_keys.add(ip, item["key"], paramiko.PKey.from_type_string(item["key"], base64.b64decode(item["value"])))
+    return host_keys
+
+
+def test_ssh_login_guest_attributes_and_isolation(compute_cloud, compute_vm, compute_discovery):
+    key = paramiko.RSAKey.generate(2048)
+    name = "lc-ssh-1"
+    ssh_keys = ssh_keys_line("maxtext", key) + "\n" + ssh_keys_line("root", key)
+    instance = compute_vm(name, metadata={"ssh-keys": ssh_keys, "enable-guest-attributes": "TRUE"})
+    ip = instance["networkInterfaces"][0]["networkIP"]
+
+    # Host keys published in guest attributes are the ones the server presents, per type.
+    host_keys = host_keys_from_guest_attributes(compute_discovery, name, ip)
+    assert set(host_keys[ip].keys()) == {"ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa"}
+    for key_type, published in host_keys[ip].items():
+        transport = paramiko.Transport((ip, 22))
+        try:
+            # Ask the server for exactly this host key type (RSA is negotiated as rsa-sha2-*).
+            transport.get_security_options().key_types = ["rsa-sha2-512"] if key_type == "ssh-rsa" else [key_type]
+            transport.start_client(timeout=10)
+            assert transport.get_remote_server_key().get_base64() == published.get_base64()
+        finally:
+            transport.close()
+
+    with ssh(ip, "maxtext", key, host_keys) as client:
+        assert run(client, "id -un; echo $HOME; id -u").split() == ["maxtext", "/home/maxtext", "1001"]
+        # The image's skel was copied, symlinks kept as symlinks.
+        assert run(client, "readlink ~/skel-link; cat ~/.profile_localcloud") == ".profile_localcloud\nexport LOCALCLOUD_SKEL=1\n"
+        assert run(client, "stat -c %a ~/.ssh ~/.ssh/authorized_keys").split() == ["700", "600"]
+        # sshd is PID 1 of the VM's PID namespace.
+        assert run(client, "cat /proc/1/comm").strip() == "sshd"
+        # No sudo for VM users.
+        assert "sudo" not in run(client, "id -Gn")
+        # /dev/shm, /tmp and /home are the VM's own.
+        marker = f"lc-marker-{uuid.uuid4().hex}"
+        run(client, f"echo vm > /dev/shm/{marker}; echo vm > /tmp/{marker}")
+        assert not Path(f"/dev/shm/{marker}").exists() and not Path(f"/tmp/{marker}").exists()
+        assert (compute_cloud.state_dir / "vms" / name / "shm" / marker).read_text() == "vm\n"
+        assert run(client, "ls /home").split() == ["maxtext"]
+        # Files the tests drop in vm-etc show up read-only at /run/localcloud.
+        compute_cloud.set_vm_file("maxtext-faults.json", '{"fail_at_step": 3}')
+        assert run(client, "cat /run/localcloud/maxtext-faults.json") == '{"fail_at_step": 3}'
+        _, out, _ = client.exec_command("touch /run/localcloud/x")
+        assert out.channel.recv_exit_status() != 0
+        # VM users never touch the host's account files.
+        assert "maxtext" not in Path("/etc/passwd").read_text()
+        assert run(client, "getent passwd maxtext").startswith("maxtext:x:1001:1001::/home/maxtext:/bin/bash")
+
+    # Compute Engine images refuse root, even with its key installed (as the guest agent
+    # does for a `root:` line): it is sshd's policy that refuses, and the host's /root is
+    # untouched.
+    vm_dir = compute_cloud.state_dir / "vms" / name
+    assert (vm_dir / "root/.ssh/authorized_keys").read_text().split() == f"{key.get_name()} {key.get_base64()} root".split()
+    with pytest.raises(paramiko.AuthenticationException):
+        ssh(ip, "root", key)
+    assert "ROOT LOGIN REFUSED" in (vm_dir / "sshd.log").read_text()
+    host_root_keys = Path("/root/.ssh/authorized_keys")
+    assert not host_root_keys.exists() or key.get_base64() not in host_root_keys.read_text()
+
+
+def test_set_metadata_users_and_fingerprint(compute_cloud, compute_vm, compute_discovery):
+    instances = compute_discovery.instances()
+    maxtext_key, alice_key = paramiko.RSAKey.generate(2048), paramiko.ECDSAKey.generate()
+    name = "lc-meta-1"
+    instance = compute_vm(name, metadata={"ssh-keys": ssh_keys_line("maxtext", maxtext_key)})
+    ip = instance["networkInterfaces"][0]["networkIP"]
+    stale = instance["metadata"]["fingerprint"]
+
+    with pytest.raises(paramiko.AuthenticationException):
+        ssh(ip, "alice", alice_key)
+
+    items = [{"key": "ssh-keys", "value": ssh_keys_line("maxtext", maxtext_key) + "\n" + ssh_keys_line("alice", alice_key)}]
+    op = instances.setMetadata(project=PROJECT, zone=ZONE, instance=name, body={"fingerprint": stale, "items": items}).execute()
+    assert op["operationType"] == "setMetadata"
+    assert "error" not in wait(compute_discovery, op)
+
+    # The old fingerprint is stale now: 412 conditionNotMet.
+    with pytest.raises(HttpError) as exc:
+        instances.setMetadata(project=PROJECT, zone=ZONE, instance=name, body={"fingerprint": stale, "items": []}).execute()
+    assert exc.value.resp.status == 412 and error_of(exc.value)["errors"][0]["reason"] == "conditionNotMet"
+
+    with ssh(ip, "alice", alice_key) as client:
+        assert run(client, "id -un; id -u").split() == ["alice", "1002"]
+    with ssh(ip, "maxtext", maxtext_key) as client:
+        assert run(client, "id -un").strip() == "maxtext"
+    vm = next(v for v in compute_cloud.vms() if v["name"] == name)
+    assert vm["users"] == ["alice", "maxtext"]
+
+    # Keys removed from the metadata are removed from the VM.
+    current = instances.get(project=PROJECT, zone=ZONE, instance=name).execute()["metadata"]["fingerprint"]
+    items = [{"key": "ssh-keys", "value": ssh_keys_line("alice", alice_key)}]
+    op = instances.setMetadata(project=PROJECT, zone=ZONE, instance=name, body={"fingerprint": current, "items": items}).execute()
+    wait(compute_discovery, op)
+    with pytest.raises(paramiko.AuthenticationException):
+        ssh(ip, "maxtext", maxtext_key)
+    with ssh(ip, "alice", alice_key) as client:
+        run(client, "true")
+
+
+def test_delete_kills_detached_processes_and_keeps_a_manifest(compute_cloud, compute_vm, compute_discovery):
+    key = paramiko.RSAKey.generate(2048)
+    name = "lc-del-1"
+    instance = compute_vm(name, metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    ip = instance["networkInterfaces"][0]["networkIP"]
+    with ssh(ip, "maxtext", key) as client:
+        run(client, "mkdir -p /dev/shm/ckpt && head -c 1234 /dev/zero > /dev/shm/ckpt/data.bin && echo x > ~/train.log")
+        run(client, "setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
+    vm = next(v for v in compute_cloud.vms() if v["name"] == name)
+    pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")
+    sleepers = [p for p in pids_in_namespace(pidns) if Path(f"/proc/{p}/cmdline").read_bytes() == b"sleep\x001000\x00"]
+    assert len(sleepers) == 1, "the detached process should run on the VM after the session ended"
+
+    op = delete_and_wait(compute_discovery, name)
+    assert "error" not in op
+    assert not running(sleepers[0]) and not running(vm["pid"]) and not running(vm["sshd_pid"])
+    assert pids_in_namespace(pidns) == []
+    assert not (compute_cloud.state_dir / "vms" / name).exists()
+    assert not port_open(ip)
+    manifest = compute_cloud.deleted_manifest(name)
+    assert {"path": "dev/shm/ckpt/data.bin", "size": 1234} in manifest
+    assert {"path": "home/maxtext/train.log", "size": 2} in manifest
+
+
+def test_insert_fails_after_accept(compute_cloud, compute_instances_client, compute_discovery):
+    with pytest.raises(LocalCloudError, match="Unknown fault"):
+        compute_cloud.set_faults({"no_such_fault": {}})
+    compute_cloud.set_faults(
+        {"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message": "no capacity here", "leave_instance": True}}
+    )
+    name = "lc-fault-1"
+    try:
+        operation = compute_instances_client.insert(
+            project=PROJECT, zone=ZONE, instance_resource=compute_v1.Instance.from_json(json.dumps(body_for(name)))
+        )
+    finally:
+        compute_cloud.set_faults({})
+    op = wait(compute_discovery, operation.name)
+    assert op["error"] == {"errors": [{"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message": "no capacity here"}]}
+    assert (op["httpErrorStatusCode"], op["httpErrorMessage"]) == (503, "SERVICE UNAVAILABLE")
+
+    # The instance record stays (TERMINATED, no VM) until deleted.
+    instance = compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance=name).execute()
+    assert instance["status"] == "TERMINATED"
+    assert not any(v["name"] == name for v in compute_cloud.vms())
+    assert "error" not in delete_and_wait(compute_discovery, name)
+    with pytest.raises(HttpError) as exc:
+        compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance=name).execute()
+    assert exc.value.resp.status == 404
+
+
+# ----- the launcher ---------------------------------------------------------------------------
+
+
+def test_localcloud_restarts_clean_after_emulator_sigkill(tmp_path, compute_image_dir):
+    state = tmp_path / "state"
+    images = {TUTORIAL_IMAGE_KEY: compute_image_dir}
+    first = LocalCloud(state, images=images).start()
+    try:
+        discovery = discovery_client(first.compute_endpoint)
+        op = discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for("lc-crash-1")).execute()
+        assert "error" not in wait(discovery, op)
+        old = next(v for v in first.vms() if v["name"] == "lc-crash-1")
+
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while first.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # Nothing cleaned up: the VM outlived its emulator.
+        assert running(old["pid"]) and port_open(old["ip"])
+
+        with LocalCloud(state, images=images) as second:
+            assert not running(old["pid"]) and not running(old["sshd_pid"])
+            assert not port_open(old["ip"])
+            assert second.vms() == [] and not (state / "vms" / "lc-crash-1").exists()
+            discovery = discovery_client(second.compute_endpoint)
+            op = discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for("lc-crash-1")).execute()
+            assert "error" not in wait(discovery, op)
+            new = next(v for v in second.vms() if v["name"] == "lc-crash-1")
+            assert new["ip"] == old["ip"] and port_open(new["ip"])
+            proc = second._proc
+        # A clean stop: exit 0 and the VM gone.
+        assert proc.returncode == 0
+        assert not running(new["pid"]) and not port_open(new["ip"])
+        assert list((state / "vms").iterdir()) == []
+        second.stop()  # idempotent
+    finally:
+        first.stop()
+        first.stop()
+
+
+def test_list_paging_and_filter_syntax(compute_cloud, compute_instances_client, compute_discovery):
+    # Instance records without VMs (insert failed after accept, instance left): cheap to make.
+    compute_cloud.set_faults({"insert_fails_after_accept": {"leave_instance": True}})
+    names = ["lc-page-a", "lc-page-b", "lc-page-c"]
+    try:
+        for i, name in enumerate(names):
+            body = body_for(name, labels={"batch": "paging", "index": str(i)})
+            op = compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body).execute()
+            done = wait(compute_discovery, op)
+            assert done["error"]["errors"][0]["code"] == "ZONE_RESOURCE_POOL_EXHAUSTED"
+    finally:
+        compute_cloud.set_faults({})
+    try:
+        compute_cloud.clear_requests()
+        pager = compute_instances_client.list(
+            request={"project": PROJECT, "zone": ZONE, "filter": 'labels.batch = "paging"', "max_results": 2}
+        )
+        assert [i.name for i in pager] == names
+        assert len([r for r in compute_cloud.requests() if r["path"].endswith("/instances")]) == 2
+
+        def listed(flt):
+            result = compute_discovery.instances().list(project=PROJECT, zone=ZONE, filter=flt).execute()
+            return [i["name"] for i in result.get("items", [])]
+
+        assert listed('(labels.batch = "paging") (labels.index = "1")') == ["lc-page-b"]
+        assert listed('labels.batch = paging AND (labels.index = 0 OR labels.index = 2)') == ["lc-page-a", "lc-page-c"]
+        assert listed('labels.batch = "paging" AND NOT labels.index = "0"') == ["lc-page-b", "lc-page-c"]
+        assert listed('labels.batch = "paging" AND name != "lc-page-a" AND status = TERMINATED') == ["lc-page-b", "lc-page-c"]
+        assert listed('labels.batch:* AND name = "lc-page-*"') == names
+        assert listed("name eq lc-page-[ab]") == ["lc-page-a", "lc-page-b"]
+        with pytest.raises(HttpError) as exc:
+            listed('name = "unterminated')
+        assert exc.value.resp.status == 400
+    finally:
+        for name in names:
+            delete_and_wait(compute_discovery, name)
