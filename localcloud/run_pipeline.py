@@ -66,6 +66,7 @@ class Airflow:
             "AIRFLOW__CORE__PARALLELISM": "4",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "true",
             "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
             "PYTHONPATH": str(REPO / "plugins"),
         }
         log = open(self.home / "standalone.log", "wb")  # noqa: SIM115 - owned by the child
