@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from airflow.providers.standard.operators.empty import EmptyOperator
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, conf, task
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
@@ -26,6 +26,8 @@ from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
 SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
 HF_CONN_ID = "huggingface_default"  # password = Hugging Face token
+# Airflow config (AIRFLOW__MAXTEXT_SFT__RETRY_DELAY_SECONDS): how long a failed task waits to retry.
+RETRY_DELAY = timedelta(seconds=conf.getint("maxtext_sft", "retry_delay_seconds", fallback=30))
 
 with DAG(
     dag_id="maxtext_sft",
@@ -34,7 +36,7 @@ with DAG(
     catchup=False,
     params=pipeline_params(),
     tags=["maxtext", "sft", "tpu"],
-    default_args={"retries": 2, "retry_delay": timedelta(seconds=30), "owner": "ml-platform"},
+    default_args={"retries": 2, "retry_delay": RETRY_DELAY, "owner": "ml-platform"},
     doc_md=__doc__,
 ) as dag:
 

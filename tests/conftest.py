@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from localcloud.cloud import LocalCloud
+from localcloud.connections import airflow_connection_env, generate_ssh_private_key, new_hf_token
+from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+
 REPO = Path(__file__).resolve().parents[1]
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="maxtext-sft-airflow-"))
 
@@ -23,6 +27,8 @@ os.environ.update(
         "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_AIRFLOW_HOME}/airflow.db",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        # Retries in seconds, not the production half minute.
+        "AIRFLOW__MAXTEXT_SFT__RETRY_DELAY_SECONDS": "1",
     }
 )
 
@@ -41,3 +47,28 @@ def airflow_db() -> Path:
         env=os.environ.copy(),
     )
     return _AIRFLOW_HOME
+
+
+@pytest.fixture(scope="session")
+def local_cloud(tmp_path_factory):
+    image = build_fast_image()
+    with LocalCloud(tmp_path_factory.mktemp("cloud"), images={TUTORIAL_IMAGE: image}) as cloud:
+        yield cloud
+
+
+@pytest.fixture(scope="session")
+def hf_token() -> str:
+    return new_hf_token()
+
+
+@pytest.fixture(scope="session")
+def pipeline_connections(local_cloud, hf_token):
+    env = airflow_connection_env(local_cloud.compute_endpoint, generate_ssh_private_key(), hf_token)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

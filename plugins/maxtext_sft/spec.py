@@ -184,7 +184,7 @@ class RunSpec:
 
     @property
     def request_id(self) -> str:
-        """Insert request id: a retried insert of the same VM is a no-op on the API side."""
+        """Base of the insert's request id; CreateVmOperator makes it per try (see there)."""
         return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.project_id}/{self.zone}/{self.vm_name}"))
 
     @property

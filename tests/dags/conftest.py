@@ -4,39 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import pytest
 
-from localcloud.cloud import LocalCloud
-from localcloud.connections import LOCAL_RUN_CONF, airflow_connection_env, generate_ssh_private_key, new_hf_token
-from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from localcloud.connections import LOCAL_RUN_CONF
 from tests.conftest import REPO
-
-
-@pytest.fixture(scope="session")
-def local_cloud(tmp_path_factory):
-    image = build_fast_image()
-    with LocalCloud(tmp_path_factory.mktemp("cloud"), images={TUTORIAL_IMAGE: image}) as cloud:
-        yield cloud
-
-
-@pytest.fixture(scope="session")
-def hf_token() -> str:
-    return new_hf_token()
-
-
-@pytest.fixture(scope="session")
-def pipeline_connections(local_cloud, hf_token):
-    env = airflow_connection_env(local_cloud.compute_endpoint, generate_ssh_private_key(), hf_token)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @dataclasses.dataclass

@@ -54,6 +54,18 @@ def test_the_same_vm_was_inserted_then_deleted(happy_run):
     assert name == run.xcoms["plan_run.vm_name"]
 
 
+def test_no_ssh_keys_pile_up_and_no_step_output_goes_to_xcom(happy_run, hf_token):
+    run, requests = happy_run
+    # The key travels in the insert body; no check pushes another one into the metadata.
+    assert not [r for r in requests if "setMetadata" in r["path"]]
+    step_tasks = {"install_maxtext", "convert_checkpoint", "start_training", "export_to_hf", "wait_for_ssh"}
+    assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks]
+    assert set(run.xcoms["wait_for_final_checkpoint.return_value"]) == {"final_step", "final_loss"}
+    # The token is nowhere in what went to the Compute API or into XCom.
+    assert hf_token not in json.dumps(requests)
+    assert hf_token not in json.dumps(run.xcoms, default=str)
+
+
 def test_the_exported_model_existed_on_the_vm(happy_run, local_cloud):
     run, _ = happy_run
     manifest = local_cloud.deleted_manifest(run.xcoms["plan_run.vm_name"])
@@ -99,7 +111,7 @@ def test_insert_body_on_the_wire_equals_the_tutorials_gcloud_request(happy_run, 
     assert {item["key"] for item in ours["metadata"]["items"]} == {"ssh-keys", "airflow-dag-id", "airflow-run-id"}
 
 
-def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, capfd):
+def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, capfd, hf_token):
     run = run_pipeline(
         {"training_timeout_hours": 1, "steps": 40},
         maxtext_faults={"train_sft": {"crash_at_step": 7}},
@@ -113,6 +125,7 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
     assert "exit code 1, last step 6" in error
     assert "Traceback (most recent call last)" in error
     assert "AirflowSensorTimeout" not in log
+    assert hf_token not in log  # the task logs never show the token
     assert run.state == "failed", run.task_states
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"
@@ -120,3 +133,28 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
     assert run.task_states["fail_run_if_any_task_failed"] == "failed"
     assert local_cloud.vms() == []
     assert len(instance_requests(local_cloud, "DELETE")) == 1
+
+
+def test_a_create_that_fails_after_the_insert_was_accepted_is_still_deleted(run_pipeline, local_cloud):
+    fault = {"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True}}
+    run = run_pipeline(cloud_faults=fault)
+    assert run.state == "failed", run.task_states
+    assert run.task_states["create_vm"] == "failed"
+    assert run.task_states["wait_for_ssh"] == "upstream_failed"
+    assert run.task_states["delete_vm"] == "success"
+    assert run.task_states["fail_run_if_any_task_failed"] == "failed"
+    name = run.xcoms["plan_run.vm_name"]
+    deletes = [r for r in instance_requests(local_cloud, "DELETE") if r["path"].split("?")[0].endswith(name)]
+    assert deletes and deletes[-1]["status"] == 200  # the teardown deleted the instance the failed create left
+    assert local_cloud.vms() == []
+
+
+def test_a_retried_create_replaces_the_instance_a_failed_insert_left(run_pipeline, local_cloud):
+    fault = {"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True, "count": 1}}
+    run = run_pipeline(cloud_faults=fault)
+    assert run.state == "success", run.task_states
+    inserts = instance_requests(local_cloud, "POST")
+    inserts = [r for r in inserts if r["path"].split("?")[0].endswith("/instances")]
+    assert len(inserts) == 2  # the failed one, then the retry after deleting its leftover
+    assert len({r["body"]["name"] for r in inserts}) == 1
+    assert local_cloud.vms() == []

@@ -7,6 +7,8 @@ already gone is success, and success means it is really gone.
 
 from __future__ import annotations
 
+import uuid
+
 from google.api_core.exceptions import NotFound
 from google.cloud.compute_v1.types import Instance
 
@@ -26,22 +28,42 @@ def _hook(operator) -> ComputeEngineEndpointHook:
     )
 
 
+# States of an instance that is, or is becoming, the running VM a retry can adopt.
+LIVE_STATUSES = frozenset({"PROVISIONING", "STAGING", "RUNNING"})
+
+
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
-    """Create the instance unless it exists: a retry adopts the VM this run already asked for."""
+    """Create the instance unless it exists: a retry adopts the VM this run already asked for.
+
+    An instance left by a create that failed after the API accepted it (TERMINATED, say) is not
+    adopted: it is deleted and created again. The insert's request id is made per try: the API
+    answers a repeated request id with the first request's operation, failed ones included.
+    """
 
     def execute(self, context) -> dict:
         if "name" in self.body:
             self.resource_id = self.body["name"]
+        if self.request_id:
+            self.request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.request_id}/{context['ti'].try_number}"))
         self._validate_inputs()
         self._validate_all_body_fields()
         self.check_body_fields()
         hook = _hook(self)
+        where = {"resource_id": self.resource_id, "project_id": self.project_id, "zone": self.zone}
         try:
-            existing = hook.get_instance(resource_id=self.resource_id, project_id=self.project_id, zone=self.zone)
+            existing = hook.get_instance(**where)
         except NotFound:
             return self._create_instance(hook, context)
-        self.log.info("Instance %s already exists (an earlier try created it); adopting it", self.resource_id)
-        return Instance.to_dict(existing)
+        if existing.status in LIVE_STATUSES:
+            self.log.info("Instance %s already exists (%s): adopting it", self.resource_id, existing.status)
+            return Instance.to_dict(existing)
+        self.log.warning(
+            "Instance %s exists in state %s, left by a failed create: deleting it to create it again",
+            self.resource_id,
+            existing.status,
+        )
+        hook.delete_instance(request_id=None, **where)
+        return self._create_instance(hook, context)
 
 
 class DeleteVmOperator(ComputeEngineDeleteInstanceOperator):

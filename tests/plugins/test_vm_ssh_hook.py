@@ -1,0 +1,101 @@
+"""VmSSHHook against a real sshd VM of the local cloud, created through the endpoint-aware hook."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.spec import build_run_spec
+
+SSH_CONN_ID = "maxtext_sft_vm_ssh"
+
+
+@pytest.fixture(scope="module")
+def vm(pipeline_connections, local_cloud):
+    """One VM made from a RunSpec's insert body (the pipeline's own key and user)."""
+    from airflow.providers.ssh.hooks.ssh import SSHHook
+
+    key = SSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="unused").pkey
+    spec = build_run_spec(
+        {"reservation": "r", "project_id": "local-project"},
+        dag_id="hook_tests",
+        run_id=f"manual__{time.time()}",
+        generation=0,
+        started=datetime.now(timezone.utc),
+        default_project_id=None,
+        ssh_user="maxtext",
+        ssh_public_key=f"{key.get_name()} {key.get_base64()}",
+    )
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    where = {"zone": spec.zone, "project_id": spec.project_id}
+    compute.insert_instance(body=spec.instance_body(), **where)
+    try:
+        yield compute.get_instance_address(resource_id=spec.vm_name, **where)
+    finally:
+        compute.delete_instance(resource_id=spec.vm_name, **where)
+
+
+@pytest.fixture
+def ssh(vm):
+    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=vm, conn_timeout=10)
+    with hook.get_conn():
+        yield hook
+
+
+def test_a_step_silent_for_longer_than_10_seconds_passes(ssh):
+    lines: list[str] = []
+    status, _ = ssh.run_command("sleep 11; echo done", timeout=60, on_line=lines.append)
+    assert status == 0
+    assert lines == ["done"]
+
+
+def test_output_streams_line_by_line_and_the_exit_status_is_returned(ssh):
+    lines: list[str] = []
+    status, tail = ssh.run_command(
+        "for i in 1 2 3; do echo line $i; done; echo to-stderr >&2; exit 7",
+        timeout=30,
+        on_line=lines.append,
+        tail_lines=2,
+    )
+    assert status == 7
+    # stderr is merged in; its order against stdout is the two pipes' business
+    assert sorted(lines) == ["line 1", "line 2", "line 3", "to-stderr"]
+    assert lines[:3] == [line for line in lines if line.startswith("line")]
+    assert tail == lines[-2:]
+    partial: list[str] = []
+    ssh.run_command("printf 'a\\nno-newline'", timeout=30, on_line=partial.append)
+    assert partial == ["a", "no-newline"]
+
+
+def test_stdin_reaches_the_command_without_being_on_its_command_line(ssh):
+    lines: list[str] = []
+    secret = "hf_not_in_argv_0123456789"
+    status, _ = ssh.run_command(
+        "IFS= read -r token; echo length=${#token}; ps -eo args",
+        stdin=f"{secret}\n".encode(),
+        timeout=30,
+        on_line=lines.append,
+    )
+    assert status == 0
+    assert "length=25" in lines
+    assert not any(secret in line for line in lines)
+
+
+def test_a_command_past_its_deadline_raises(ssh):
+    from maxtext_sft.hooks.vm_ssh import RemoteCommandError
+
+    with pytest.raises(RemoteCommandError, match="still running after 2 s"):
+        ssh.run_command("echo started; sleep 30", timeout=2, on_line=lambda line: None)
+
+
+def test_root_cannot_log_in(vm):
+    import paramiko
+
+    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=vm, conn_timeout=10, conn_retry_attempts=1)
+    hook.username = "root"
+    with pytest.raises(paramiko.AuthenticationException):
+        hook.get_conn()
