@@ -16,10 +16,10 @@ from datetime import timedelta
 
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, conf, task
-from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.params import pipeline_params
+from maxtext_sft.outcome import check_run_outcome
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 
@@ -109,12 +109,8 @@ with DAG(
         >> delete_vm
     )
 
-    # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise be
-    # the leaf that decides. This task, downstream of every other (but the no-op setup, which
-    # Airflow requires to be followed by all_success tasks), fails the run when any of them
-    # failed (the delete included: a VM may be left behind) and is skipped otherwise.
-    @task(trigger_rule="one_failed", retries=0)
-    def fail_run_if_any_task_failed():
-        raise AirflowFailException("A task of this run failed (see the failed task's log); the VM was deleted.")
-
-    [t for t in dag.tasks if not t.is_setup] >> fail_run_if_any_task_failed()
+    # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise
+    # decide it. This last teardown runs in every outcome (so also when a user marks the run
+    # failed, which skips the tasks that had not run) and fails the run unless every task
+    # succeeded, the delete included.
+    delete_vm >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)

@@ -11,9 +11,16 @@ Kinds:
   fast  `skel/maxtext_venv/`: a venv of Debian's /usr/bin/python3 holding the
         MaxText stand-in (localcloud/maxtext_standin) installed as maxtext 0.2.2.
         (/root's pyenv Python would not do: /root is private to root.)
-A "real" kind with the real MaxText can be added to IMAGE_KINDS later.
+  real  the real MaxText 0.2.2 and toy-size inputs made locally (see build_real_image):
+          maxtext_venv/         venv of Debian's /usr/bin/python3, installed from the locks in
+                                localcloud/image_recipes/ (CPU torch, no TPU/CUDA packages)
+          skel/maxtext_venv ->  <image>/maxtext_venv (absolute symlink: a new VM user's home
+                                gets the link, not 6 GB of copies)
+          toy/                  made by image_recipes/make_toy_inputs.py with the venv's python
+        The venv's site-packages has localcloud_toy.pth + toy_site.py (image_recipes/toy_site.py):
+        offline Hugging Face defaults and MaxText's gemma3-4b HF config shrunk to the toy model.
 
-CLI: `python -m localcloud.images fast` builds if needed and prints the image dir.
+CLI: `python -m localcloud.images fast|real` builds if needed and prints the image dir.
 """
 
 import argparse
@@ -46,9 +53,11 @@ def cache_root_default() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT)
 
 
-def _recipe_hash(kind: str, files: list[Path], base: Path) -> str:
+def _recipe_hash(kind: str, files: list[Path], base: Path, extra: str = "") -> str:
     """Hash of everything an image is built from: kind, builder version, source files."""
     digest = hashlib.sha256(f"{kind}\n{BUILDER_VERSION}\n{os.path.realpath(SYSTEM_PYTHON)}\n".encode())
+    if extra:
+        digest.update(f"{extra}\n".encode())
     for path in files:
         digest.update(f"{path.relative_to(base)}\n".encode())
         digest.update(hashlib.sha256(path.read_bytes()).digest())
@@ -65,10 +74,15 @@ def _make_world_readable(root: Path) -> None:
             path.chmod(0o644)
 
 
+def _image_dir(kind: str, recipe: str, cache_root: Path | None) -> Path:
+    cache_root = Path(cache_root) if cache_root is not None else cache_root_default()
+    return cache_root / f"{kind}-{recipe[:16]}"
+
+
 def _build_cached(kind: str, recipe: str, build, cache_root: Path | None) -> Path:
     """Return `<cache root>/<kind>-<recipe>`, building it with build(image_dir) if it is missing."""
-    cache_root = Path(cache_root) if cache_root is not None else cache_root_default()
-    image_dir = cache_root / f"{kind}-{recipe[:16]}"
+    image_dir = _image_dir(kind, recipe, cache_root)
+    cache_root = image_dir.parent
     if image_dir.is_dir():  # only ever created by a rename of a finished build
         return image_dir
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -150,7 +164,118 @@ def build_fast_image(cache_root: Path | None = None) -> Path:
     return _build_cached("fast", recipe, _build_fast, cache_root)
 
 
-IMAGE_KINDS = {"fast": build_fast_image}
+RECIPES_DIR = Path(__file__).resolve().parent / "image_recipes"
+REAL_LOCK = RECIPES_DIR / "real-maxtext.lock"
+REAL_WHEEL_LOCK = RECIPES_DIR / "real-maxtext-wheel.lock"
+TOY_GENERATOR = RECIPES_DIR / "make_toy_inputs.py"
+TOY_SITE = RECIPES_DIR / "toy_site.py"
+# Bump when _build_real changes in a way that changes the image.
+REAL_BUILDER_VERSION = 1
+# The CPU build of torch 2.13.0 (Python 3.11) that this machine kind keeps on disk; real-maxtext.lock
+# pins it (PyPI's torch is a multi-GB CUDA build). uv does not look there unless told.
+TORCH_WHEEL_DIR = Path("/opt/wheels")
+
+
+def _real_files() -> list[Path]:
+    return [REAL_LOCK, REAL_WHEEL_LOCK, TOY_GENERATOR, TOY_SITE]
+
+
+def _uv() -> str:
+    uv = shutil.which("uv")
+    if uv is None:
+        raise RuntimeError("the real image is built with uv: install it (e.g. `pip install uv`, as `make venv` does)")
+    return uv
+
+
+def _run_uv(*args: str) -> None:
+    # UV_PYTHON_DOWNLOADS=never: uv must use Debian's Python, never fetch one (only PyPI is reachable).
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"}
+    for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(key, None)
+    subprocess.run([_uv(), *args], check=True, env=env)
+
+
+def _toy_env() -> dict[str, str]:
+    """Environment for running the image venv's python during the build: offline, no repo venv."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "HF_TOKEN")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_GCE_CHECK="True",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    return env
+
+
+# Run in the finished venv before the image is published; prints one JSON line.
+_REAL_CHECK = """
+import importlib.metadata, json, os
+from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
+from transformers import AutoTokenizer
+import maxtext.trainers.post_train.sft.train_sft  # the heaviest of the three entry points imports
+tokenizer = AutoTokenizer.from_pretrained("google/gemma-3-4b-it")
+print(json.dumps({
+    "maxtext": importlib.metadata.version("maxtext"),
+    "torch": importlib.metadata.version("torch"),
+    "hidden_size": HF_MODEL_CONFIGS["gemma3-4b"].text_config.hidden_size,
+    "tokenizer_size": len(tokenizer),
+    "chat_template": bool(tokenizer.chat_template),
+    "hf_hub_offline": os.environ.get("HF_HUB_OFFLINE"),
+}))
+"""
+
+
+def _build_real(image_dir: Path, final_dir: Path) -> None:
+    """Build the real image in image_dir; absolute links point at final_dir, its published name."""
+    if not (TORCH_WHEEL_DIR / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").is_file():
+        raise RuntimeError(f"the CPU torch wheel that real-maxtext.lock pins is not in {TORCH_WHEEL_DIR}")
+    venv = image_dir / VENV_NAME
+    # Relocatable: activate and console scripts find the venv from their own location, so they work
+    # from the final image dir (the build happens in a temp dir) and through ~/maxtext_venv.
+    _run_uv("venv", "-q", "--relocatable", "--python", SYSTEM_PYTHON, str(venv))
+    python = str(venv / "bin" / "python3")
+    # Exactly the locked set: --no-deps (no resolution), hashes required; pyc compiled now because
+    # the VM user cannot write __pycache__ into the image.
+    _run_uv("pip", "install", "-q", "--python", python, "--no-deps", "--require-hashes", "--compile-bytecode",
+            "--find-links", str(TORCH_WHEEL_DIR), "-r", str(REAL_LOCK))
+    # The wheel declares Python >= 3.12 (the torch CPU wheel here is 3.11): --python-version 3.12
+    # lets uv install it; --no-deps because its dependencies are the lock above.
+    _run_uv("pip", "install", "-q", "--python", python, "--no-deps", "--require-hashes", "--compile-bytecode",
+            "--python-version", "3.12", "-r", str(REAL_WHEEL_LOCK))
+
+    subprocess.run([python, str(TOY_GENERATOR), str(image_dir / "toy")], check=True, env=_toy_env(),
+                   cwd=image_dir, stdout=subprocess.DEVNULL)
+
+    site_packages = Path(subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip())
+    shutil.copyfile(TOY_SITE, site_packages / "toy_site.py")
+    py_compile.compile(str(site_packages / "toy_site.py"), doraise=True)
+    (site_packages / "localcloud_toy.pth").write_text("import toy_site\n")
+
+    skel = image_dir / "skel"
+    skel.mkdir()
+    (skel / VENV_NAME).symlink_to(final_dir / VENV_NAME)
+
+    # Refuse to publish an image whose venv does not work (HF_HUB_OFFLINE unset: the hook sets it).
+    env = _toy_env()
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(key)
+    output = subprocess.run([python, "-c", _REAL_CHECK], check=True, capture_output=True, text=True,
+                            cwd=image_dir, env=env).stdout.strip().splitlines()[-1]
+    report = json.loads(output)
+    toy = json.loads((image_dir / "toy" / "toy.json").read_text())
+    expected = {"maxtext": "0.2.2", "torch": "2.13.0+cpu", "hidden_size": toy["maxtext_dims"]["base_emb_dim"],
+                "tokenizer_size": 262144, "chat_template": True, "hf_hub_offline": "1"}
+    if report != expected:
+        raise RuntimeError(f"the real image's venv does not work: {report} != {expected}")
+
+
+def build_real_image(cache_root: Path | None = None) -> Path:
+    """The image with the real MaxText 0.2.2 and toy inputs; built once per recipe (~6 GB)."""
+    recipe = _recipe_hash("real", _real_files(), RECIPES_DIR, extra=f"real-builder {REAL_BUILDER_VERSION}")
+    final_dir = _image_dir("real", recipe, cache_root)
+    return _build_cached("real", recipe, lambda image_dir: _build_real(image_dir, final_dir), cache_root)
+
+
+IMAGE_KINDS = {"fast": build_fast_image, "real": build_real_image}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,7 @@ class Airflow:
             **self.env,
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
             "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
@@ -113,6 +114,19 @@ class Airflow:
     def get(self, path: str, **kwargs):
         return self.request("GET", path, **kwargs)
 
+    def trigger(self, conf: dict) -> str:
+        run = self.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
+        return run["dag_run_id"]
+
+    def run(self, run_id: str) -> dict:
+        return self.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")
+
+    def task_instances(self, run_id: str) -> list[dict]:
+        return self.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
+
+    def task_states(self, run_id: str) -> dict[str, str | None]:
+        return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
+
     def stop(self) -> None:
         stop_process_group(self.pidfile)
 
@@ -152,7 +166,7 @@ def parse_time(text: str | None) -> datetime | None:
 
 def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bool:
     run_id = run["dag_run_id"]
-    tis = airflow.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
+    tis = airflow.task_instances(run_id)
     print(f"\nDAG run {run_id}: {run['state'].upper()} in {time.monotonic() - started:.0f} s")
     print(f"\n{'task':<28} {'state':<16} {'tries':>5} {'duration':>10}")
     for ti in sorted(tis, key=lambda t: t.get("start_date") or "~"):
@@ -196,15 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         print("Starting airflow standalone ...", flush=True)
         airflow.start()
         print(f"Airflow API on http://127.0.0.1:{airflow.port}; triggering {DAG_ID} with conf {json.dumps(conf)}")
-        run = airflow.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
-        run_id = run["dag_run_id"]
+        run_id = airflow.trigger(conf)
+        run = airflow.run(run_id)
         deadline = time.monotonic() + args.timeout
         last = None
         while run["state"] not in ("success", "failed") and time.monotonic() < deadline:
             time.sleep(2)
-            run = airflow.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")
-            tis = airflow.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
-            running = sorted(t["task_id"] for t in tis if t["state"] in ("running", "up_for_reschedule", "queued"))
+            run = airflow.run(run_id)
+            states = airflow.task_states(run_id)
+            running = sorted(t for t, state in states.items() if state in ("running", "up_for_reschedule", "queued"))
             if running != last:
                 print(f"  {time.monotonic() - started:6.0f} s  {', '.join(running) or '...'}", flush=True)
                 last = running

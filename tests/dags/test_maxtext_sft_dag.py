@@ -23,7 +23,7 @@ TASK_ORDER = [
     "wait_for_final_checkpoint",
     "export_to_hf",
     "delete_vm",
-    "fail_run_if_any_task_failed",
+    "check_run_outcome",
 ]
 
 
@@ -79,17 +79,17 @@ def test_delete_runs_in_every_outcome_without_deciding_the_run_state(dag):
     assert not dag.get_task("create_vm").is_setup  # a failed create must not skip the delete
     assert delete.trigger_rule == "all_done_setup_success"
     assert "vm_lease" in delete.upstream_task_ids
-    # The run's state: a watcher downstream of every task fails the run if any task failed.
-    watcher = dag.get_task("fail_run_if_any_task_failed")
-    assert watcher.trigger_rule == "one_failed"
-    assert watcher.upstream_task_ids == set(dag.task_ids) - {watcher.task_id, "vm_lease"}
+    # The run's state: a last teardown that counts as a leaf fails the run unless all succeeded.
+    check = dag.get_task("check_run_outcome")
+    assert check.is_teardown and check.on_failure_fail_dagrun
+    assert "delete_vm" in check.upstream_task_ids
 
 
 def test_tags_retries_and_waiting_modes(dag):
     assert set(dag.tags) >= {"maxtext", "sft", "tpu"}
     assert dag.schedule is None or str(dag.timetable.summary) in ("None",)
     for task in dag.tasks:
-        if task.task_id in ("plan_run", "vm_lease", "fail_run_if_any_task_failed"):
+        if task.task_id in ("plan_run", "vm_lease", "check_run_outcome"):
             continue
         assert task.retries >= 1, task.task_id
     assert dag.get_task("plan_run").retries == 0  # bad input is not retried

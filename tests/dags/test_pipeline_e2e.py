@@ -36,8 +36,6 @@ def happy_run(run_pipeline, local_cloud):
 def test_every_task_succeeds_and_the_vm_is_gone(happy_run, local_cloud):
     run, _ = happy_run
     assert run.state == "success", run.task_states
-    watcher = run.task_states.pop("fail_run_if_any_task_failed")
-    assert watcher == "skipped"  # nothing failed
     assert set(run.task_states.values()) == {"success"}, run.task_states
     assert local_cloud.vms() == []
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 30
@@ -130,7 +128,7 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"
     assert run.task_states["delete_vm"] == "success"
-    assert run.task_states["fail_run_if_any_task_failed"] == "failed"
+    assert run.task_states["check_run_outcome"] == "failed"
     assert local_cloud.vms() == []
     assert len(instance_requests(local_cloud, "DELETE")) == 1
 
@@ -142,7 +140,7 @@ def test_a_create_that_fails_after_the_insert_was_accepted_is_still_deleted(run_
     assert run.task_states["create_vm"] == "failed"
     assert run.task_states["wait_for_ssh"] == "upstream_failed"
     assert run.task_states["delete_vm"] == "success"
-    assert run.task_states["fail_run_if_any_task_failed"] == "failed"
+    assert run.task_states["check_run_outcome"] == "failed"
     name = run.xcoms["plan_run.vm_name"]
     deletes = [r for r in instance_requests(local_cloud, "DELETE") if r["path"].split("?")[0].endswith(name)]
     assert deletes and deletes[-1]["status"] == 200  # the teardown deleted the instance the failed create left

@@ -1,0 +1,23 @@
+"""The run's verdict: succeed only when every task of the run succeeded."""
+
+from __future__ import annotations
+
+from airflow.sdk import task
+from airflow.sdk.exceptions import AirflowFailException
+
+
+def failed_tasks(states: dict[str, str | None], ignore: set[str]) -> dict[str, str | None]:
+    return {task_id: state for task_id, state in sorted(states.items()) if task_id not in ignore and state != "success"}
+
+
+@task(retries=0)
+def check_run_outcome(**context):
+    """Fail the run, naming the tasks that did not succeed; teardowns alone cannot fail it."""
+    ti, dag_run = context["ti"], context["dag_run"]
+    states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
+    setups = {t.task_id for t in context["dag"].tasks if t.is_setup}
+    not_ok = failed_tasks(states, ignore={ti.task_id, *setups})
+    if not_ok:
+        listed = ", ".join(f"{task_id}={state}" for task_id, state in not_ok.items())
+        vm = "the VM may still exist" if "delete_vm" in not_ok else "the VM was deleted"
+        raise AirflowFailException(f"The fine-tune did not complete ({listed}); {vm}")

@@ -1,0 +1,58 @@
+"""The pipeline under Airflow's real scheduler (`airflow standalone`), for what dag.test() cannot do."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from localcloud.run_pipeline import Airflow
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(1)  # polling interval; the condition is re-read each time
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def airflow(tmp_path, pipeline_connections):
+    instance = Airflow(tmp_path / "airflow-home", {**os.environ, **pipeline_connections})
+    instance.start()
+    yield instance
+    instance.stop()
+
+
+def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cloud):
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    local_cloud.clear_requests()
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
+    try:
+        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50, "poke_interval_seconds": 1})
+        wait_until(
+            lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
+            240,
+            "training to be watched",
+        )
+        assert len(local_cloud.vms()) == 1
+        airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "failed"})
+        wait_until(lambda: airflow.task_states(run_id).get("delete_vm") == "success", 180, "the delete")
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    assert local_cloud.vms() == []
+    # Airflow brings the run back to running for its teardown; it must still end failed.
+    final = wait_until(lambda: airflow.run(run_id)["state"] in ("success", "failed") and airflow.run(run_id), 120, "the run to end")
+    states = airflow.task_states(run_id)
+    assert final["state"] == "failed", states
+    assert states["check_run_outcome"] == "failed"
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200
