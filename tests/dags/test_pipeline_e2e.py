@@ -120,7 +120,7 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
     assert "Training " not in log.split("state failed, last step 6,")[1].split("Task failed with exception")[0]
     # ... with the reason and the training log's tail (MaxText's traceback) in its error.
     error = log[log.index("ended without its final checkpoint") - 300 :]
-    assert "exit code 1, last step 6" in error
+    assert "training exited with code 1 after step 6" in error
     assert "Traceback (most recent call last)" in error
     assert "AirflowSensorTimeout" not in log
     assert hf_token not in log  # the task logs never show the token
@@ -155,4 +155,15 @@ def test_a_retried_create_replaces_the_instance_a_failed_insert_left(run_pipelin
     inserts = [r for r in inserts if r["path"].split("?")[0].endswith("/instances")]
     assert len(inserts) == 2  # the failed one, then the retry after deleting its leftover
     assert len({r["body"]["name"] for r in inserts}) == 1
+    assert local_cloud.vms() == []
+
+
+def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run_pipeline, local_cloud, capfd):
+    run = run_pipeline({"steps": 40}, maxtext_faults={"train_sft": {"out_of_data_at_step": 9}})
+    log = capfd.readouterr().out
+    assert run.state == "failed", run.task_states
+    assert run.task_states["wait_for_final_checkpoint"] == "failed"
+    assert run.task_states["export_to_hf"] == "upstream_failed"
+    assert "training exited 0 after step 8 of 40: the dataset ran out of training data" in log
+    assert "The fine-tune did not complete (export_to_hf=upstream_failed, wait_for_final_checkpoint=failed)" in log
     assert local_cloud.vms() == []

@@ -17,6 +17,7 @@ from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
+OUT_OF_DATA = "You may have run out of training data"
 STEP_LINE = re.compile(r"completed step: (\d+),.*?[ ,]loss: ([^ ,]+)")
 # Errors that mean "not reachable yet / right now", not "broken".
 TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
@@ -75,7 +76,7 @@ class TrainingCheckpointSensor(_VmSensor):
 
     def execute(self, context):
         spec = RunSpec.from_dict(self.spec)
-        self.poke_interval = timedelta(seconds=spec.poke_interval_seconds).total_seconds()
+        self.poke_interval = float(spec.poke_interval_seconds)
         self.timeout = timedelta(hours=spec.training_timeout_hours).total_seconds()
         return super().execute(context)
 
@@ -114,10 +115,16 @@ class TrainingCheckpointSensor(_VmSensor):
             self.log.info("Training %s finished: %s", spec.run_name, result)
             return PokeReturnValue(is_done=True, xcom_value=result)
         tail = output[_tail_start(output) : -1]
+        if fields.get("exit_code") == "0":
+            # MaxText exits 0 when the data runs out before `steps`: that is not a finished run.
+            cause = f"training exited 0 after step {fields.get('last_step')} of {spec.steps}"
+            if any(OUT_OF_DATA in line for line in output):
+                cause += ": the dataset ran out of training data"
+        else:
+            cause = f"training exited with code {fields.get('exit_code')} after step {fields.get('last_step')}"
         raise AirflowFailException(
             f"Training {spec.run_name} on {spec.vm_name} ended without its final checkpoint "
-            f"{spec.final_checkpoint_path} (exit code {fields.get('exit_code')}, last step "
-            f"{fields.get('last_step')}); last log lines:\n" + "\n".join(tail)
+            f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
         )
 
 
