@@ -41,8 +41,10 @@ class LocalCloud:
         startup_timeout: float = 30.0,
         stop_timeout: float = 30.0,
         python: str = sys.executable,
+        keep_deleted_shm: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
+        self.keep_deleted_shm = keep_deleted_shm
         self.images = {k: Path(v) for k, v in (images or {}).items()}
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -74,6 +76,7 @@ class LocalCloud:
                         "--images-file", str(images_file),
                         "--ready-file", str(ready_file),
                         "--parent-pid", str(os.getpid()),
+                        *(["--keep-deleted-shm"] if self.keep_deleted_shm else []),
                     ],
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
@@ -166,6 +169,10 @@ class LocalCloud:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)  # readers on the VMs never see a half-written file
         return path
+
+    def deleted_shm(self, name: str) -> Path:
+        """The /dev/shm of a deleted VM, kept when the cloud runs with keep_deleted_shm."""
+        return self.state_dir / "deleted" / f"{name}-shm"
 
     def deleted_manifest(self, name: str) -> list | None:
         try:

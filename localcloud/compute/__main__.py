@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, help="shut down when this process is gone")
     parser.add_argument("--operation-wait-timeout", type=float, default=120.0)
     parser.add_argument("--vm-ready-timeout", type=float, default=30.0)
+    parser.add_argument("--keep-deleted-shm", action="store_true", help="move a deleted VM's /dev/shm aside")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if not ipaddress.ip_address(args.host).is_loopback:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         images,
         operation_wait_timeout=args.operation_wait_timeout,
         vm_ready_timeout=args.vm_ready_timeout,
+        keep_deleted_shm=args.keep_deleted_shm,
     )
     server = make_server(emulator, args.host, args.port)
     port = server.server_address[1]

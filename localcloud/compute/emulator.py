@@ -230,8 +230,10 @@ class ComputeEmulator:
         *,
         operation_wait_timeout: float = 120.0,
         vm_ready_timeout: float = 30.0,
+        keep_deleted_shm: bool = False,
     ) -> None:
         self.state_dir = state_dir
+        self.keep_deleted_shm = keep_deleted_shm
         self.images = {k: Path(v) for k, v in (images or {}).items()}
         self.operation_wait_timeout = operation_wait_timeout
         self.vm_ready_timeout = vm_ready_timeout
@@ -775,7 +777,7 @@ class ComputeEmulator:
         self._op_running(op)
         with inst.work_lock:
             if inst.vm is not None:
-                inst.vm.destroy(self.state_dir / "deleted")
+                inst.vm.destroy(self.state_dir / "deleted", keep_shm=self.keep_deleted_shm)
             inst.vm = None
         with self.lock:
             self.instances.pop((inst.project, inst.zone, inst.name), None)
@@ -834,7 +836,7 @@ class ComputeEmulator:
         def destroy(inst: Instance) -> None:
             with inst.work_lock:
                 if inst.vm is not None:
-                    inst.vm.destroy(self.state_dir / "deleted")
+                    inst.vm.destroy(self.state_dir / "deleted", keep_shm=self.keep_deleted_shm)
                     inst.vm = None
 
         threads = [threading.Thread(target=destroy, args=(i,)) for i in instances]

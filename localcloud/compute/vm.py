@@ -215,14 +215,22 @@ class SandboxVM:
         if alive and self.pidns:
             _wait_namespace_empty(self.pidns, timeout)
 
-    def destroy(self, deleted_dir: Path | None) -> None:
-        """Stop the VM, record its files in `deleted_dir/NAME.json`, remove its directory."""
+    def destroy(self, deleted_dir: Path | None, keep_shm: bool = False) -> None:
+        """Stop the VM, record its files in `deleted_dir/NAME.json`, remove its directory.
+
+        With `keep_shm`, the VM's /dev/shm is moved to `deleted_dir/NAME-shm/` instead of being
+        removed, for tests that inspect what a run left there (e.g. load an exported model).
+        """
         self.stop()
         if deleted_dir is not None and self.root.exists():
             deleted_dir.mkdir(parents=True, exist_ok=True)
             tmp = deleted_dir / f".{self.name}.json.tmp"
             tmp.write_text(json.dumps(self.manifest(), indent=1))
             os.replace(tmp, deleted_dir / f"{self.name}.json")
+            if keep_shm:
+                kept = deleted_dir / f"{self.name}-shm"
+                shutil.rmtree(kept, ignore_errors=True)
+                os.replace(self.root / "shm", kept)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _write_record(self) -> None:
