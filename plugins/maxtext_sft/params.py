@@ -49,7 +49,9 @@ def pipeline_params() -> dict[str, Param]:
             "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
         ),
         "model_name": _param("model_name", "string", "MaxText model name (MODEL_NAME).", MODEL),
-        "dataset_name": _param("dataset_name", "string", "Hugging Face dataset id (DATASET_NAME).", MODEL),
+        "dataset_name": _param(
+            "dataset_name", "string", "Hugging Face dataset id (DATASET_NAME), or a folder on the VM.", MODEL
+        ),
         "dataset_revision": _param(
             "dataset_revision", ["null", "string"], "Dataset branch, tag or commit; empty: latest.", MODEL
         ),

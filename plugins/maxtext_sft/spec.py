@@ -90,6 +90,8 @@ GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 GCE_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[a-z][-a-z0-9.:]{0,61}[a-z0-9]$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+# A dataset: a Hub id, or a folder on the VM in the Hub dataset's layout (staged by an image or disk).
+DATASET = re.compile(HUB_ID.pattern + r"|^/[A-Za-z0-9._/-]+$")
 SAFE_TOKEN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAXTEXT_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){1,3}([a-z]+[0-9]*)?$")
 # A path on the VM: absolute, or under the home directory ("~" or "~/..."); no shell metacharacters.
@@ -413,6 +415,8 @@ def build_run_spec(
     revision = p["dataset_revision"]
     if revision is not None and (not isinstance(revision, str) or not SAFE_TOKEN.match(revision)):
         raise SpecError(f"Param 'dataset_revision': {revision!r} is not a branch, tag or commit id")
+    if revision is not None and str(p["dataset_name"]).startswith("/"):
+        raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder on the VM")
     if not SSH_USER.match(ssh_user) or ssh_user == "root":
         raise SpecError(
             f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)"
@@ -439,7 +443,9 @@ def build_run_spec(
         model_name=_require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b"),
         steps=_int_in(p, "steps", 1, 10_000_000),
         per_device_batch_size=_int_in(p, "per_device_batch_size", 1, 4096),
-        dataset_name=_require(p, "dataset_name", HUB_ID, "a Hugging Face dataset id (owner/name)"),
+        dataset_name=_require(
+            p, "dataset_name", DATASET, "a Hugging Face dataset id (owner/name) or an absolute folder on the VM"
+        ),
         train_split=_require(p, "train_split", SAFE_TOKEN, "a split name"),
         train_data_columns=tuple(columns),
         dataset_revision=revision,

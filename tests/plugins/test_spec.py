@@ -123,6 +123,14 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
         make_spec(**{field: value})
 
 
+def test_a_dataset_is_a_hub_id_or_a_folder_on_the_vm():
+    assert "hf_path=/data/ultrachat" in make_spec(dataset_name="/data/ultrachat").train_args()
+    with pytest.raises(SpecError, match="'dataset_revision'"):
+        make_spec(dataset_name="/data/ultrachat", dataset_revision="abc123")
+    with pytest.raises(SpecError, match="'dataset_name'"):
+        make_spec(dataset_name="relative/../x y")
+
+
 def test_reservation_is_required():
     with pytest.raises(SpecError, match="'reservation'"):
         build_run_spec(
