@@ -18,8 +18,8 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, conf, task
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
-from maxtext_sft.params import pipeline_params
 from maxtext_sft.outcome import check_run_outcome
+from maxtext_sft.params import pipeline_params
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 
