@@ -153,6 +153,11 @@ class LocalCloud:
     def set_faults(self, faults: dict) -> dict:
         return self._control("POST", "faults", faults)
 
+    def add_image(self, key: str, image_dir: Path) -> None:
+        """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""
+        self.images[key] = Path(image_dir)
+        self._control("POST", "images", {key: str(image_dir)})
+
     def vms(self) -> list[dict]:
         return self._control("GET", "vms")
 

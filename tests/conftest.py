@@ -52,7 +52,8 @@ def airflow_db() -> Path:
 @pytest.fixture(scope="session")
 def local_cloud(tmp_path_factory):
     image = build_fast_image()
-    with LocalCloud(tmp_path_factory.mktemp("cloud"), images={TUTORIAL_IMAGE: image}) as cloud:
+    state = tmp_path_factory.mktemp("cloud")
+    with LocalCloud(state, images={TUTORIAL_IMAGE: image}, keep_deleted_shm=True) as cloud:
         yield cloud
 
 

@@ -897,6 +897,12 @@ class ControlApi:
             return 200, emulator.faults.current()
         if what == "vms" and method == "GET":
             return 200, emulator.vms()
+        if what == "images" and method == "POST":  # {"PROJECT/FAMILY": "/abs/image/dir"}, merged
+            if not isinstance(body, dict) or not all(isinstance(v, str) and v.startswith("/") for v in body.values()):
+                raise ApiError(400, "invalid", "Expected {\"PROJECT/FAMILY\": \"/absolute/image/dir\"}.")
+            with emulator.lock:
+                emulator.images.update({key: Path(value) for key, value in body.items()})
+                return 200, {key: str(value) for key, value in emulator.images.items()}
         raise ApiError(404, "notFound", f"No control endpoint {method} {path}.")
 
 
