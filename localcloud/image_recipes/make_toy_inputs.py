@@ -9,16 +9,19 @@ TOY_DIR gets:
                widths; random weights from a fixed seed. (No tokenizer: to_maxtext reads none.)
   tokenizer/   the sentencepiece tokenizer shipped in the maxtext wheel, in Hugging Face format,
                with a Gemma-style chat template (SFT needs one).
-  hf_home/hub/ a Hugging Face hub cache in which `google/gemma-3-4b-it` (MaxText's tokenizer id
-               for gemma3-4b) resolves offline to that tokenizer.
+  hf_home/hub/ a Hugging Face hub cache in which `google/gemma-3-4b-it` (MaxText's id for
+               gemma3-4b: to_maxtext's default checkpoint, train_sft's default tokenizer_path,
+               to_huggingface's tokenizer) resolves offline to the toy model and tokenizer.
   datasets/ultrachat_200k/   chats in UltraChat 200k's layout (data/{split}-00000-of-00001.parquet,
                              column `messages`), enough that packing never runs out in the toy runs.
   datasets/ultrachat_small/  the same layout, deliberately too small: SFT stops early.
-  toy.json     the toy's sizes, for the image's import hook and the tests.
+  toy.json     the toy's sizes, dataset folders (relative to TOY_DIR) and the extra MaxText args
+               each pipeline command needs with these inputs.
 """
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -33,7 +36,7 @@ import maxtext
 from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
 
 MODEL_NAME = "gemma3-4b"
-TOKENIZER_HUB_ID = "google/gemma-3-4b-it"  # maxtext.utils.globals.HF_IDS["gemma3-4b"]
+HUB_ID = "google/gemma-3-4b-it"  # maxtext.utils.globals.HF_IDS["gemma3-4b"]
 SEED = 20261129
 
 # MaxText names (the extra args' keys) -> Hugging Face text_config names. The layer count and
@@ -48,8 +51,22 @@ VISION_DIMS = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 
                "image_size": 56}
 MM_TOKENS_PER_IMAGE = 4
 
+# The extra MaxText args each pipeline command needs with these inputs, found by running the three
+# commands by hand and dropping each arg in turn (hardware=cpu, tokenizer_path, --hf_model_path and
+# HF_TOKEN turned out unnecessary).
+_DIM_ARGS = ["override_model_config=True", *(f"{key}={value}" for key, value in TEXT_DIMS.items())]
+EXTRA_ARGS = {
+    # The checkpoint itself comes from the hub cache (HF_IDS["gemma3-4b"]); one simulated device
+    # instead of 16 takes the conversion from ~1:45 to ~0:20.
+    "convert": ["--simulated_cpu_devices_count=1", *_DIM_ARGS],
+    # dot_product: the default attention picks a TPU kernel ("Only interpret mode is supported on
+    # CPU backend"); 256 tokens instead of 2048 keeps a step ~1.5 s and the RSS under 5 GB.
+    "train": ["attention=dot_product", "skip_jax_distributed_system=true", "max_target_length=256", *_DIM_ARGS],
+    "export": ["skip_jax_distributed_system=true", *_DIM_ARGS],
+}
+
 DATASET_ROWS = 400  # ~130 packed 256-token sequences: far more than the toy runs' steps
-SMALL_DATASET_ROWS = 8  # a few packed sequences only: SFT runs out of data early
+SMALL_DATASET_ROWS = 16  # ~700 tokens, about 3 packed 256-token sequences: SFT runs out early
 TEST_ROWS = 20
 
 # Gemma's turn format, written for this toy: a system message (if any) is folded into the first
@@ -118,17 +135,20 @@ def make_tokenizer(out: Path) -> transformers.PreTrainedTokenizerBase:
 
 
 def make_hub_cache(hub: Path, files: list[Path]) -> str:
-    """A hub cache entry for TOKENIZER_HUB_ID: refs/main names a snapshot holding `files`.
-    (Plain files in the snapshot, not links to blobs: the loaders only read the snapshot.)"""
+    """A hub cache entry for HUB_ID: refs/main names a snapshot holding `files` (hard links
+    where possible). Plain files in the snapshot, not links to blobs: loaders only read it."""
     digest = hashlib.sha1()
     for path in sorted(files):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     revision = digest.hexdigest()
-    repo = hub / ("models--" + TOKENIZER_HUB_ID.replace("/", "--"))
+    repo = hub / ("models--" + HUB_ID.replace("/", "--"))
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True)
     for path in files:
-        shutil.copyfile(path, snapshot / path.name)
+        try:
+            os.link(path, snapshot / path.name)
+        except OSError:
+            shutil.copyfile(path, snapshot / path.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return revision
@@ -206,7 +226,7 @@ def main(toy: Path) -> None:
     toy.mkdir(parents=True)
     config = make_model(toy / "model")
     tokenizer = make_tokenizer(toy / "tokenizer")
-    hub_files = [*(toy / "tokenizer").iterdir(), toy / "model" / "config.json"]
+    hub_files = [*(toy / "tokenizer").iterdir(), *(toy / "model").iterdir()]
     revision = make_hub_cache(toy / "hf_home" / "hub", hub_files)
     write_dataset(toy / "datasets" / "ultrachat_200k", {
         "train_sft": chat_rows(DATASET_ROWS, SEED), "test_sft": chat_rows(TEST_ROWS, SEED + 1)})
@@ -217,10 +237,12 @@ def main(toy: Path) -> None:
         "maxtext_dims": TEXT_DIMS,
         "num_hidden_layers": text.num_hidden_layers,
         "vocab_size": text.vocab_size,
-        "tokenizer_hub_id": TOKENIZER_HUB_ID,
-        "tokenizer_hub_revision": revision,
+        "hub_id": HUB_ID,
+        "hub_revision": revision,
         "tokenizer_size": len(tokenizer),
         "dataset_rows": {"ultrachat_200k": DATASET_ROWS, "ultrachat_small": SMALL_DATASET_ROWS},
+        "datasets": {"ultrachat_200k": "datasets/ultrachat_200k", "ultrachat_small": "datasets/ultrachat_small"},
+        "extra_args": EXTRA_ARGS,
     }, indent=2) + "\n")
 
 
