@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -54,4 +55,25 @@ def airflow_connection_env(compute_endpoint: str, ssh_private_key: str, hf_token
         "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": json.dumps(google),
         "AIRFLOW_CONN_MAXTEXT_SFT_VM_SSH": json.dumps(vm_ssh),
         "AIRFLOW_CONN_HUGGINGFACE_DEFAULT": json.dumps(hugging_face),
+    }
+
+# The real MaxText image plays a custom boot image with MaxText preinstalled: runs select it with
+# the image Params, as a team would select its own image on Google Cloud.
+REAL_IMAGE_PROJECT = "local-images"
+REAL_IMAGE_FAMILY = "maxtext-0-2-2-toy"
+REAL_IMAGE_KEY = f"{REAL_IMAGE_PROJECT}/{REAL_IMAGE_FAMILY}"
+
+
+def real_maxtext_run_conf(image_dir: Path, *, steps: int = 5, dataset: str = "ultrachat_200k") -> dict:
+    """Run conf for the real MaxText at toy size: only Param values differ from a cloud run."""
+    toy = json.loads((image_dir / "toy" / "toy.json").read_text())
+    return {
+        **LOCAL_RUN_CONF,
+        "image_project": REAL_IMAGE_PROJECT,
+        "image_family": REAL_IMAGE_FAMILY,
+        "steps": steps,
+        "dataset_name": str(image_dir / "toy" / toy["datasets"][dataset]),
+        "convert_extra_args": toy["extra_args"]["convert"],
+        "train_extra_args": toy["extra_args"]["train"],
+        "export_extra_args": toy["extra_args"]["export"],
     }

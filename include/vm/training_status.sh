@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Report on a training started by start_training.sh: prints the log lines not printed by an
 # earlier call (a cursor file remembers where it stopped), then one status line:
-#   MAXTEXT_SFT_STATUS state=running|succeeded|failed exit_code=C last_step=N last_loss=L
+#   MAXTEXT_SFT_STATUS state=running|succeeded|failed exit_code=C last_step=N last_loss=L out_of_data=yes|no
 # succeeded = exit code 0 and the final checkpoint (CHECKPOINTS_DIR/STEPS/model_params) exists.
 # On failure, the last 40 log lines follow a "--- tail" line, before the status line.
 # Usage: training_status.sh WORK_DIR RUN_NAME CHECKPOINTS_DIR STEPS
@@ -52,8 +52,13 @@ fi
 last=$(grep -a 'completed step: ' "$log" 2>/dev/null | tail -n 1 || true)
 last_step=$(sed -n 's/.*completed step: \([0-9]*\).*/\1/p' <<<"$last")
 last_loss=$(sed -n 's/.*[ ,]loss: \([^ ,]*\).*/\1/p' <<<"$last")
+# MaxText logs this and still exits 0 when the dataset ends before STEPS.
+out_of_data=no
+if grep -q -a 'You may have run out of training data' "$log" 2>/dev/null; then
+  out_of_data=yes
+fi
 if [ "$state" = failed ]; then
   echo "--- tail of $log"
   tail -n 40 "$log" 2>/dev/null || true
 fi
-echo "MAXTEXT_SFT_STATUS state=$state exit_code=$exit_code last_step=${last_step:-none} last_loss=${last_loss:-none}"
+echo "MAXTEXT_SFT_STATUS state=$state exit_code=$exit_code last_step=${last_step:-none} last_loss=${last_loss:-none} out_of_data=$out_of_data"

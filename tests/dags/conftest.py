@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import sys
 
 import pytest
 
@@ -17,10 +19,26 @@ class PipelineRun:
     run_id: str
     task_states: dict[str, str]
     xcoms: dict[str, object]
+    log: str = ""  # every log line of the run's tasks, as the task logs show them
 
 
-@pytest.fixture(scope="session")
-def pipeline_dag(airflow_db):
+class _Tee(io.TextIOBase):
+    """sys.stdout for the length of a run: what the run's task loggers write, kept and passed on."""
+
+    def __init__(self, passthrough):
+        self.passthrough = passthrough
+        self.kept = io.StringIO()
+
+    def write(self, text):
+        self.kept.write(text)
+        return self.passthrough.write(text)
+
+    def flush(self):
+        self.passthrough.flush()
+
+
+def parse_pipeline_dag():
+    """A freshly parsed DAG: its operators' loggers (cached on first use) bind to this run's stdout."""
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(str(REPO / "dags"))
@@ -29,19 +47,24 @@ def pipeline_dag(airflow_db):
 
 
 @pytest.fixture(scope="session")
-def run_pipeline(pipeline_dag, pipeline_connections, local_cloud):
+def run_pipeline(airflow_db, pipeline_connections, local_cloud):
     """Run the DAG once: `conf` over the local defaults, with the given cloud and MaxText faults."""
 
     def run(conf: dict | None = None, *, maxtext_faults: dict | None = None, cloud_faults: dict | None = None):
         local_cloud.set_vm_file("maxtext-faults.json", json.dumps(maxtext_faults or {}))
         local_cloud.set_faults(cloud_faults or {})
         local_cloud.clear_requests()
+        tee = _Tee(sys.stdout)
         try:
+            sys.stdout = tee
             run_conf = {**LOCAL_RUN_CONF, "steps": 30, "poke_interval_seconds": 1, **(conf or {})}
-            return collect(pipeline_dag.test(run_conf=run_conf))
+            run = collect(parse_pipeline_dag().test(run_conf=run_conf))
         finally:
+            sys.stdout = tee.passthrough
             local_cloud.set_vm_file("maxtext-faults.json", "{}")
             local_cloud.set_faults({})
+        run.log = tee.kept.getvalue()
+        return run
 
     return run
 

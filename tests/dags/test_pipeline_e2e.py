@@ -109,12 +109,12 @@ def test_insert_body_on_the_wire_equals_the_tutorials_gcloud_request(happy_run, 
     assert {item["key"] for item in ours["metadata"]["items"]} == {"ssh-keys", "airflow-dag-id", "airflow-run-id"}
 
 
-def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, capfd, hf_token):
+def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, hf_token):
     run = run_pipeline(
         {"training_timeout_hours": 1, "steps": 40},
         maxtext_faults={"train_sft": {"crash_at_step": 7}},
     )
-    log = capfd.readouterr().out
+    log = run.log
     # The first check that saw the dead process failed the sensor (an hour before its timeout) ...
     assert len(re.findall(r"Training \S+: state failed, last step 6,", log)) == 1
     assert "Training " not in log.split("state failed, last step 6,")[1].split("Task failed with exception")[0]
@@ -158,9 +158,9 @@ def test_a_retried_create_replaces_the_instance_a_failed_insert_left(run_pipelin
     assert local_cloud.vms() == []
 
 
-def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run_pipeline, local_cloud, capfd):
+def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run_pipeline, local_cloud):
     run = run_pipeline({"steps": 40}, maxtext_faults={"train_sft": {"out_of_data_at_step": 9}})
-    log = capfd.readouterr().out
+    log = run.log
     assert run.state == "failed", run.task_states
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"

@@ -129,6 +129,7 @@ def test_training_runs_detached_and_status_streams_each_line_once(vm):
     fields, seen = vm.wait_for_training()
     assert fields["state"] == "succeeded", seen
     assert fields["exit_code"] == "0" and fields["last_step"] == "12"
+    assert fields["out_of_data"] == "no"
     steps = [int(s) for s in re.findall(r"completed step: (\d+),", seen)]
     assert steps == list(range(1, 13))  # every step line once, in order, across all the checks
     assert vm.path(vm.spec.final_checkpoint_path).is_dir()
@@ -168,6 +169,7 @@ def test_exit_zero_before_the_final_step_is_a_failure(vm):
     fields, seen = vm.wait_for_training()
     assert fields["exit_code"] == "0"
     assert fields["state"] == "failed", seen
+    assert fields["out_of_data"] == "yes"
     assert "run out of training data" in seen
 
 

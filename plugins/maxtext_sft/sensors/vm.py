@@ -17,7 +17,6 @@ from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
-OUT_OF_DATA = "You may have run out of training data"
 STEP_LINE = re.compile(r"completed step: (\d+),.*?[ ,]loss: ([^ ,]+)")
 # Errors that mean "not reachable yet / right now", not "broken".
 TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
@@ -116,9 +115,10 @@ class TrainingCheckpointSensor(_VmSensor):
             return PokeReturnValue(is_done=True, xcom_value=result)
         tail = output[_tail_start(output) : -1]
         if fields.get("exit_code") == "0":
-            # MaxText exits 0 when the data runs out before `steps`: that is not a finished run.
+            # MaxText exits 0 when the data runs out before `steps` (training_status.sh finds its
+            # "run out of training data" line): that is not a finished run.
             cause = f"training exited 0 after step {fields.get('last_step')} of {spec.steps}"
-            if any(OUT_OF_DATA in line for line in output):
+            if fields.get("out_of_data") == "yes":
                 cause += ": the dataset ran out of training data"
         else:
             cause = f"training exited with code {fields.get('exit_code')} after step {fields.get('last_step')}"
