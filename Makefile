@@ -7,6 +7,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 UV_VERSION := 0.13.9
 RUN_CONF ?= {}
+MAXTEXT ?= real
 
 .PHONY: run test venv system-deps lock
 
@@ -25,7 +26,7 @@ system-deps:
 	fi
 
 run: venv system-deps
-	$(PYTHON) -m localcloud.run_pipeline --conf '$(RUN_CONF)'
+	$(PYTHON) -m localcloud.run_pipeline --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
 
 # pytest exits 5 when it collected no test: that must fail, not pass quietly.
 test: venv system-deps

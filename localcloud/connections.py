@@ -22,7 +22,9 @@ VM_USER = "maxtext"
 LOCAL_RUN_CONF = {
     "project_id": LOCAL_PROJECT,
     "reservation": "local-reservation",
-    "poke_interval_seconds": 2,
+    # Under a real scheduler, a reschedule-mode sensor poked every 1-2 s can be failed by the
+    # scheduler (an executor event for the previous poke arrives after the next was queued).
+    "poke_interval_seconds": 10,
     "ssh_connect_timeout_seconds": 10,
 }
 

@@ -1,6 +1,6 @@
 """Run the pipeline once, end to end, in the local cloud, through Airflow's real scheduler.
 
-    python -m localcloud.run_pipeline [--conf '{"steps": 200}'] [--keep-logs]
+    python -m localcloud.run_pipeline [--maxtext real|fast] [--conf '{"steps": 10}']
 
 Starts the Compute Engine emulator (its VMs are sshd sandboxes on 127.0.0.N), then
 `airflow standalone` (scheduler, triggerer, dag-processor, api-server; SQLite) with connections
@@ -26,8 +26,15 @@ from datetime import datetime
 from pathlib import Path
 
 from localcloud.cloud import LocalCloud
-from localcloud.connections import LOCAL_RUN_CONF, airflow_connection_env, generate_ssh_private_key, new_hf_token
-from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from localcloud.connections import (
+    LOCAL_RUN_CONF,
+    REAL_IMAGE_KEY,
+    airflow_connection_env,
+    generate_ssh_private_key,
+    new_hf_token,
+    real_maxtext_run_conf,
+)
+from localcloud.images import TUTORIAL_IMAGE, build_fast_image, build_real_image
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "run"
@@ -193,17 +200,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", default="{}", help="JSON run conf merged over the local defaults")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds to wait for the run")
+    parser.add_argument(
+        "--maxtext",
+        choices=("real", "fast"),
+        default="real",
+        help="real: MaxText 0.2.2 at toy size (default); fast: the stand-in used by the fault tests",
+    )
     args = parser.parse_args(argv)
-    conf = {**LOCAL_RUN_CONF, **json.loads(args.conf)}
 
     STATE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    print("Building the local VM image (cached) ...", flush=True)
-    image = build_fast_image()
-    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: image})
+    print(f"Building the local VM image for --maxtext={args.maxtext} (cached; the real one takes minutes once) ...")
+    fast_image = build_fast_image()
+    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image})
+    if args.maxtext == "real":
+        real_image = build_real_image()
+        base_conf = real_maxtext_run_conf(real_image)
+    else:
+        base_conf = dict(LOCAL_RUN_CONF)
+    conf = {**base_conf, **json.loads(args.conf)}
     airflow = None
     try:
         cloud.start()
+        if args.maxtext == "real":
+            cloud.add_image(REAL_IMAGE_KEY, real_image)
         env = {**os.environ, **airflow_connection_env(cloud.compute_endpoint, generate_ssh_private_key(), new_hf_token())}
         print(f"Compute Engine emulator: {cloud.compute_endpoint}", flush=True)
         airflow = Airflow(STATE / "airflow-home", env)

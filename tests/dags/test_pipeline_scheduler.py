@@ -37,7 +37,7 @@ def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cl
     local_cloud.clear_requests()
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
     try:
-        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50, "poke_interval_seconds": 1})
+        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50})
         wait_until(
             lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
             240,
