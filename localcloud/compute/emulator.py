@@ -389,8 +389,8 @@ class ComputeEmulator:
         assert isinstance(body, dict)
         request_id = _one(req.query, "requestId")
         with self.lock:
-            if request_id and (project, request_id) in self.request_ids:
-                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            if replayed := self._replayed(project, request_id):
+                return replayed
             name = body["name"]
             path = f"projects/{project}/zones/{zone}/instances/{name}"
             if (project, zone, name) in self.instances:
@@ -570,8 +570,8 @@ class ComputeEmulator:
     def delete_instance(self, project: str, zone: str, instance: str, req: Request) -> dict:
         request_id = _one(req.query, "requestId")
         with self.lock:
-            if request_id and (project, request_id) in self.request_ids:
-                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            if replayed := self._replayed(project, request_id):
+                return replayed
             inst = self._instance(project, zone, instance)
             if inst.deleting:
                 raise errors.not_ready(inst.path)
@@ -595,8 +595,8 @@ class ComputeEmulator:
         assert isinstance(body, dict)
         request_id = _one(req.query, "requestId")
         with self.lock:
-            if request_id and (project, request_id) in self.request_ids:
-                return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+            if replayed := self._replayed(project, request_id):
+                return replayed
             inst = self._instance(project, zone, instance)
             if inst.deleting:
                 raise errors.not_ready(inst.path)
@@ -651,6 +651,12 @@ class ComputeEmulator:
         }
 
     # ----- operations ----------------------------------------------------------------------
+
+    def _replayed(self, project: str, request_id: str | None) -> dict | None:
+        """The API answers a repeated requestId with the first request's operation."""
+        if request_id and (project, request_id) in self.request_ids:
+            return copy.deepcopy(self.operations[self.request_ids[(project, request_id)]])
+        return None
 
     def _new_operation(self, inst: Instance, operation_type: str, request_id: str | None) -> dict:
         name = new_operation_name()

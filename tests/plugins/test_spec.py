@@ -20,7 +20,7 @@ STARTED = datetime(2026, 11, 29, 22, 29, 25, tzinfo=timezone.utc)
 RUN_ID = "manual__2026-11-29T22:29:25.123+00:00"
 
 
-def make_spec(generation: int = 0, run_id: str = RUN_ID, **params) -> RunSpec:
+def make_spec(generation: int = 0, run_id: str = RUN_ID, ssh_user: str = "maxtext", **params) -> RunSpec:
     return build_run_spec(
         {"reservation": "my-reservation", **params},
         dag_id="maxtext_sft",
@@ -28,7 +28,7 @@ def make_spec(generation: int = 0, run_id: str = RUN_ID, **params) -> RunSpec:
         generation=generation,
         started=STARTED,
         default_project_id="my-project",
-        ssh_user="maxtext",
+        ssh_user=ssh_user,
         ssh_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample",
     )
 
@@ -133,30 +133,12 @@ def test_a_dataset_is_a_hub_id_or_a_folder_on_the_vm():
 
 def test_reservation_is_required():
     with pytest.raises(SpecError, match="'reservation'"):
-        build_run_spec(
-            {},
-            dag_id="d",
-            run_id="r",
-            generation=0,
-            started=STARTED,
-            default_project_id="my-project",
-            ssh_user="maxtext",
-            ssh_public_key="ssh-ed25519 AAAA",
-        )
+        make_spec(reservation=None)
 
 
 def test_root_is_refused_as_vm_user():
     with pytest.raises(SpecError, match="non-root"):
-        build_run_spec(
-            {"reservation": "r"},
-            dag_id="d",
-            run_id="r",
-            generation=0,
-            started=STARTED,
-            default_project_id="my-project",
-            ssh_user="root",
-            ssh_public_key="ssh-ed25519 AAAA",
-        )
+        make_spec(ssh_user="root")
 
 
 def test_defaults_are_the_tutorials():
