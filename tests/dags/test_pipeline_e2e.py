@@ -167,3 +167,14 @@ def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run
     assert "training exited 0 after step 8 of 40: the dataset ran out of training data" in log
     assert "The fine-tune did not complete (export_to_hf=upstream_failed, wait_for_final_checkpoint=failed)" in log
     assert local_cloud.vms() == []
+
+
+def test_an_invalid_conf_fails_before_any_compute_request(run_pipeline, local_cloud):
+    run = run_pipeline({"reservation": None, "train_extra_args": ["run_name=mine"]})
+    assert run.state == "failed", run.task_states
+    assert run.task_states["plan_run"] == "failed"
+    assert run.task_states["create_vm"] == "upstream_failed"
+    # No VM can exist, so the teardowns do not run; the run's state comes from the work tasks.
+    assert run.task_states["delete_vm"] in ("skipped", "upstream_failed")
+    assert "Invalid run configuration: Param 'reservation': required" in run.log
+    assert local_cloud.requests() == []
