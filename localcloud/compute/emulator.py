@@ -13,8 +13,10 @@ from __future__ import annotations
 import base64
 import copy
 import datetime as dt
+import fcntl
 import json
 import logging
+import os
 import re
 import secrets
 import socket
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/compute/v1/"
 CONTROL_PREFIX = "/_localcloud/"
+# Machine-wide leases of VM addresses, shared by all emulators (see _allocate_ip).
+LEASE_DIR = Path("/tmp/localcloud-ip-leases")
 OPERATION_USER = "localcloud-user@localcloud.invalid"
 
 _NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
@@ -242,6 +246,7 @@ class ComputeEmulator:
         self.instances: dict[tuple[str, str, str], Instance] = {}
         self.operations: dict[tuple[str, str, str], dict] = {}
         self.request_ids: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.ip_leases: dict[str, int] = {}  # address -> fd holding its machine-wide flock
         self.faults = Faults()
         self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
         self.closing = False
@@ -745,6 +750,7 @@ class ComputeEmulator:
                         access.pop("natIP", None)
                 else:
                     self.instances.pop((inst.project, inst.zone, inst.name), None)
+                    self._release_ip(inst.ip)
             self._op_done(op, (code, message), fault.get("http_status"))
             return
         try:
@@ -787,6 +793,7 @@ class ComputeEmulator:
             inst.vm = None
         with self.lock:
             self.instances.pop((inst.project, inst.zone, inst.name), None)
+            self._release_ip(inst.ip)
         self._op_done(op)
 
     def _run_set_metadata(self, inst: Instance, op: dict) -> None:
@@ -799,13 +806,35 @@ class ComputeEmulator:
         self._op_done(op)
 
     def _allocate_ip(self) -> str:
-        """Lowest free 127.0.0.N (N >= 2): not held by an instance, and port 22 bindable."""
-        used = {i.ip for i in self.instances.values() if i.ip}
+        """Lowest free 127.0.0.N (N >= 2): leased by no emulator on this machine, port 22 bindable.
+
+        The lease is an flock on a file per address, shared by every emulator on the machine (a
+        developer's and a CI run's, say): checking the port alone races with another emulator
+        whose VM has the address but has not bound it yet. The kernel drops a dead emulator's
+        leases with its file descriptors.
+        """
+        LEASE_DIR.mkdir(parents=True, exist_ok=True)
         for n in range(2, 255):
             ip = f"127.0.0.{n}"
-            if ip not in used and _port_free(ip, 22):
-                return ip
+            if ip in self.ip_leases:
+                continue
+            fd = os.open(LEASE_DIR / ip, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if not _port_free(ip, 22):
+                os.close(fd)
+                continue
+            self.ip_leases[ip] = fd
+            return ip
         raise ApiError(503, "backendError", "localcloud: no free loopback address for another VM.")
+
+    def _release_ip(self, ip: str | None) -> None:
+        fd = self.ip_leases.pop(ip, None) if ip else None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
 
     # ----- emulator control ----------------------------------------------------------------
 
@@ -851,6 +880,8 @@ class ComputeEmulator:
         for t in threads:
             t.join()
         with self.lock:
+            for inst in self.instances.values():
+                self._release_ip(inst.ip)
             self.instances.clear()
 
 
