@@ -79,6 +79,7 @@ OWNED_KEYS: dict[str, frozenset[str]] = {
             "hf_path",
             "train_split",
             "train_data_columns",
+            "hf_train_files",
         }
     ),
     "export": frozenset(
@@ -220,7 +221,17 @@ class RunSpec:
 
     def train_args(self) -> list[str]:
         columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
-        args = [
+        split = [f"train_split={self.train_split}"]
+        if self.dataset_revision:
+            # MaxText's loader takes no revision: revision-pinned files pin the snapshot instead.
+            # `datasets` names the split of explicit data files "train"; the split Param picks
+            # the files (UltraChat's data/<split>-*.parquet layout).
+            split = [
+                f"hf_train_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}"
+                f"/data/{self.train_split}-*.parquet",
+                "train_split=train",
+            ]
+        return [
             f"run_name={self.run_name}",
             f"base_output_directory={self.train_output_dir}",
             f"model_name={self.model_name}",
@@ -228,17 +239,11 @@ class RunSpec:
             f"per_device_batch_size={self.per_device_batch_size}",
             f"steps={self.steps}",
             f"hf_path={self.dataset_name}",
-            f"train_split={self.train_split}",
+            *split,
             f"train_data_columns={columns}",
             "profiler=xplane",
+            *self.train_extra_args,
         ]
-        if self.dataset_revision:
-            # MaxText's loader takes no revision; revision-pinned files pin the snapshot instead.
-            args.append(
-                f"hf_train_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}"
-                f"/data/{self.train_split}-*.parquet"
-            )
-        return args + list(self.train_extra_args)
 
     def export_args(self) -> list[str]:
         return [

@@ -123,6 +123,13 @@ def test_bad_values_are_rejected_naming_the_field(field, value):
         make_spec(**{field: value})
 
 
+def test_a_dataset_revision_pins_revision_addressed_files():
+    args = make_spec(dataset_revision="0123abc").train_args()
+    assert "hf_train_files=hf://datasets/HuggingFaceH4/ultrachat_200k@0123abc/data/train_sft-*.parquet" in args
+    assert "train_split=train" in args and "train_split=train_sft" not in args
+    assert not any(a.startswith("hf_train_files=") for a in make_spec().train_args())
+
+
 def test_a_dataset_is_a_hub_id_or_a_folder_on_the_vm():
     assert "hf_path=/data/ultrachat" in make_spec(dataset_name="/data/ultrachat").train_args()
     with pytest.raises(SpecError, match="'dataset_revision'"):
