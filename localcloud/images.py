@@ -49,8 +49,24 @@ VENV_NAME = "maxtext_venv"
 TUTORIAL_IMAGE = "ubuntu-os-accelerator-images/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
 
 
+# Folders a sandbox VM mounts its own copy over. The real image's skel links to its venv by
+# absolute path, so that image must live elsewhere (the fast one is copied, so it may not).
+VM_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/home", "/root", "/run", "/dev/shm", "/etc/ssh")
+
+
 def cache_root_default() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT)
+
+
+def check_cache_root(cache_root: Path) -> Path:
+    resolved = Path(os.path.realpath(cache_root))
+    for private in VM_PRIVATE_DIRS:
+        if resolved == Path(private) or Path(private) in resolved.parents:
+            raise ValueError(
+                f"image cache {cache_root} is under {private}, which every VM replaces with its own; "
+                f"choose another folder (e.g. the default {DEFAULT_CACHE_ROOT}) for {CACHE_ENV}"
+            )
+    return resolved
 
 
 def _recipe_hash(kind: str, files: list[Path], base: Path, extra: str = "") -> str:
@@ -278,6 +294,7 @@ def real_recipe() -> str:
 def build_real_image(cache_root: Path | None = None) -> Path:
     """The image with the real MaxText 0.2.2 and toy inputs; built once per recipe (~6.5 GB, ~2 min)."""
     recipe = real_recipe()
+    cache_root = check_cache_root(Path(cache_root) if cache_root is not None else cache_root_default())
     final_dir = _image_dir("real", recipe, cache_root)
     return _build_cached("real", recipe, lambda image_dir: _build_real(image_dir, final_dir), cache_root)
 
