@@ -387,11 +387,7 @@ class ComputeEmulator:
     def insert_instance(self, project: str, zone: str, req: Request) -> dict:
         if not _ZONE.fullmatch(zone):
             raise errors.invalid_field_value("zone", zone, "Unknown zone.")
-        body = req.body
-        if body is None:
-            raise errors.required_field("resource")
-        BodyValidator("compute.instances.insert").check("Instance", body, "instance_resource")
-        assert isinstance(body, dict)
+        body = _validated_body(req, "compute.instances.insert", "Instance", "instance_resource")
         request_id = _one(req.query, "requestId")
         with self.lock:
             if replayed := self._replayed(project, request_id):
@@ -593,11 +589,7 @@ class ComputeEmulator:
         return copy.deepcopy(op)
 
     def set_metadata(self, project: str, zone: str, instance: str, req: Request) -> dict:
-        body = req.body
-        if body is None:
-            raise errors.required_field("resource")
-        BodyValidator("compute.instances.setMetadata").check("Metadata", body, "metadata_resource")
-        assert isinstance(body, dict)
+        body = _validated_body(req, "compute.instances.setMetadata", "Metadata", "metadata_resource")
         request_id = _one(req.query, "requestId")
         with self.lock:
             if replayed := self._replayed(project, request_id):
@@ -883,6 +875,15 @@ class ComputeEmulator:
             for inst in self.instances.values():
                 self._release_ip(inst.ip)
             self.instances.clear()
+
+
+def _validated_body(req: Request, method: str, schema: str, field: str) -> dict:
+    """The request's JSON body, checked against the discovery document's schema for `method`."""
+    if req.body is None:
+        raise errors.required_field("resource")
+    BodyValidator(method).check(schema, req.body, field)
+    assert isinstance(req.body, dict)
+    return req.body
 
 
 def _stored_metadata(metadata: dict) -> dict:
