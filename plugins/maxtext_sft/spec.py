@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-import shlex
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -471,7 +470,3 @@ def build_run_spec(
         poke_interval_seconds=_int_in(p, "poke_interval_seconds", 1, 3600),
     )
 
-
-def quote_args(args: Sequence[str]) -> str:
-    """Shell-quote a list of arguments for a remote POSIX shell."""
-    return " ".join(shlex.quote(a) for a in args)
