@@ -5,8 +5,8 @@ The tutorial this automates, step by step (see README.md):
   2. install MaxText on it
   3. convert the Hugging Face checkpoint to MaxText format
   4. run SFT (detached; a sensor waits for the final checkpoint)
-  5. convert the result back to Hugging Face format
-  6. delete the VM, whatever happened before
+  5. convert the result back to Hugging Face format; keep it (output_location, or the worker)
+  6. delete the VM, whatever happened before; publish to the Hub if asked
 Trigger with run conf to override any Param; the trigger form documents each one.
 """
 
@@ -17,6 +17,7 @@ from datetime import timedelta
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, conf, task
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
+from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome
 from maxtext_sft.params import pipeline_params
@@ -25,7 +26,7 @@ from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 
 GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
 SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
-HF_CONN_ID = "huggingface_default"  # password = Hugging Face token
+HF_CONN_ID = "huggingface_default"  # password = Hugging Face token (extra endpoint: a private Hub)
 # Airflow config (AIRFLOW__MAXTEXT_SFT__RETRY_DELAY_SECONDS): how long a failed task waits to retry.
 RETRY_DELAY = timedelta(seconds=conf.getint("maxtext_sft", "retry_delay_seconds", fallback=30))
 
@@ -77,14 +78,26 @@ with DAG(
 
     # 4. SFT: started detached, then watched until the final checkpoint.
     start_training = VmScriptOperator(
-        task_id="start_training", step="start_training", spec=run["spec"], **step_connections
+        task_id="start_training",
+        step="start_training",
+        spec=run["spec"],
+        results=convert_checkpoint.output,  # the converted checkpoint's path (maybe another run's)
+        **step_connections,
     )
     wait_for_final_checkpoint = TrainingCheckpointSensor(
         task_id="wait_for_final_checkpoint", spec=run["spec"], **vm_connections
     )
 
-    # 5. Convert MaxText -> Hugging Face.
+    # 5. Convert MaxText -> Hugging Face; the model card and the run record go next to it.
     export_to_hf = VmScriptOperator(task_id="export_to_hf", step="export", spec=run["spec"], **step_connections)
+    collect_outputs = CollectOutputsOperator(
+        task_id="collect_outputs",
+        spec=run["spec"],
+        training=wait_for_final_checkpoint.output,
+        base_checkpoint=convert_checkpoint.output,
+        export=export_to_hf.output,
+        **vm_connections,
+    )
 
     # 6. Delete the VM in every outcome.
     delete_vm = DeleteVmOperator(
@@ -96,6 +109,15 @@ with DAG(
         retries=5,
     ).as_teardown(setups=vm_lease)
 
+    # Publishing reads the export from storage (or the worker), so it need not hold the VM.
+    publish_to_hub = PublishToHubOperator(
+        task_id="publish_to_hub",
+        spec=run["spec"],
+        record=collect_outputs.output,
+        gcp_conn_id=GCP_CONN_ID,
+        hf_conn_id=HF_CONN_ID,
+    )
+
     (
         run
         >> vm_lease
@@ -106,11 +128,13 @@ with DAG(
         >> start_training
         >> wait_for_final_checkpoint
         >> export_to_hf
+        >> collect_outputs
         >> delete_vm
     )
+    collect_outputs >> publish_to_hub
 
     # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise
     # decide it. This last teardown runs in every outcome (so also when a user marks the run
     # failed, which skips the tasks that had not run) and fails the run unless every task
     # succeeded, the delete included.
-    delete_vm >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    [delete_vm, publish_to_hub] >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)

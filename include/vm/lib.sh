@@ -36,3 +36,17 @@ process_alive() {
   state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
   [ -n "$state" ] && [ "${state#Z}" = "$state" ]
 }
+
+# A value the step hands back to the pipeline (its task's XCom): one line, never a secret.
+report_result() {
+  printf 'MAXTEXT_SFT_RESULT %s=%s\n' "$1" "$2"
+}
+
+# True when a checkpoint step folder is complete: on a local disk Orbax renames the finished
+# step into place; on GCS it writes commit_success.txt into the step folder last.
+checkpoint_committed() {
+  case "$1" in
+    gs://*) gcloud storage objects describe "$1/commit_success.txt" >/dev/null 2>&1 ;;
+    *) [ -d "$1" ] ;;
+  esac
+}

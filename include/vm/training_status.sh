@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Report on a training started by start_training.sh: prints the log lines not printed by an
 # earlier call (a cursor file remembers where it stopped), then one status line:
-#   MAXTEXT_SFT_STATUS state=running|succeeded|failed exit_code=C last_step=N last_loss=L out_of_data=yes|no
+#   MAXTEXT_SFT_STATUS state=running|succeeded|exited|failed exit_code=C last_step=N last_loss=L out_of_data=yes|no
 # succeeded = exit code 0 and the final checkpoint (CHECKPOINTS_DIR/STEPS/model_params) exists.
+# exited = exit code 0 with CHECKPOINTS_DIR in storage (gs://): the caller checks the checkpoint.
 # On failure, the last 40 log lines follow a "--- tail" line, before the status line.
 # Usage: training_status.sh WORK_DIR RUN_NAME CHECKPOINTS_DIR STEPS
 set -euo pipefail
@@ -30,6 +31,8 @@ if [ "$exit_code" = none ]; then
   else
     state=failed  # killed without a chance to write its exit code
   fi
+elif [ "$exit_code" = 0 ] && [[ "$checkpoints_dir" == gs://* ]]; then
+  state=exited
 elif [ "$exit_code" = 0 ] && [ -d "$checkpoints_dir/$steps/model_params" ]; then
   state=succeeded
 else

@@ -13,6 +13,7 @@ CLOUD = "Google Cloud"
 VM = "TPU VM"
 MODEL = "Model and data"
 MAXTEXT = "MaxText"
+OUTPUTS = "Outputs and publishing"
 TIMING = "Timeouts and polling"
 
 
@@ -49,6 +50,12 @@ def pipeline_params() -> dict[str, Param]:
             "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
         ),
         "model_name": _param("model_name", "string", "MaxText model name (MODEL_NAME).", MODEL),
+        "model_revision": _param(
+            "model_revision", ["null", "string"], "Hugging Face revision of the base checkpoint; empty: default branch.", MODEL
+        ),
+        "base_model_id": _param(
+            "base_model_id", ["null", "string"], "Hub id of the base model for the model card; empty: MaxText's.", MODEL
+        ),
         "dataset_name": _param(
             "dataset_name", "string", "Hugging Face dataset id (DATASET_NAME), or a folder on the VM.", MODEL
         ),
@@ -83,6 +90,21 @@ def pipeline_params() -> dict[str, Param]:
         ),
         "export_extra_args": _param(
             "export_extra_args", "array", "Extra to_huggingface arguments: key=value.", MAXTEXT, items={"type": "string"}
+        ),
+        "output_location": _param(
+            "output_location",
+            ["null", "string"],
+            "gs://bucket/prefix for checkpoints, converted base checkpoints and the export; "
+            "empty: the tutorial's /dev/shm, deleted with the VM (only the export is copied to the worker).",
+            OUTPUTS,
+        ),
+        "hub_repo_id": _param(
+            "hub_repo_id", ["null", "string"], "Publish the tuned model to this Hub repo (owner/name); empty: do not.", OUTPUTS
+        ),
+        "hub_private": _param("hub_private", "boolean", "Create the Hub repo as private.", OUTPUTS),
+        "hub_branch": _param("hub_branch", "string", "Hub branch to commit to.", OUTPUTS),
+        "hub_max_final_loss": _param(
+            "hub_max_final_loss", ["null", "number"], "Publish only if the final loss is at most this.", OUTPUTS
         ),
         "ssh_connect_timeout_seconds": _param(
             "ssh_connect_timeout_seconds", "integer", "SSH connect/banner/auth timeout.", TIMING, minimum=1

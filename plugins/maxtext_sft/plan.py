@@ -7,7 +7,7 @@ from typing import Any
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.operators.vm_script import hf_token
+from maxtext_sft.hooks.hub import hf_token
 from maxtext_sft.spec import SpecError, build_run_spec
 
 

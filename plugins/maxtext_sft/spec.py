@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -32,6 +33,13 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "boot_disk_size_gb": 200,
     "service_account": "default",
     "model_name": "gemma3-4b",
+    "model_revision": None,  # None: the Hub's default branch
+    "base_model_id": None,  # None: the Hub id MaxText converts from (BASE_MODELS)
+    "output_location": None,  # None: the tutorial's /dev/shm layout, gone with the VM
+    "hub_repo_id": None,  # None: do not publish
+    "hub_private": True,
+    "hub_branch": "main",
+    "hub_max_final_loss": None,
     "steps": 1000,
     "per_device_batch_size": 1,
     "dataset_name": "HuggingFaceH4/ultrachat_200k",
@@ -61,10 +69,21 @@ TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
     "ct6e-standard-1t": {"accelerator_type": "v6e-1", "topology": "1x1", "chips_per_host_bounds": "1,1,1"},
 }
 
+# Hugging Face id and licence of the checkpoint MaxText's converter reads for a model name
+# (MaxText's HF_IDS); the model card's `base_model` and `license`.
+BASE_MODELS: dict[str, tuple[str, str]] = {
+    "gemma3-4b": ("google/gemma-3-4b-it", "gemma"),
+    "gemma3-12b": ("google/gemma-3-12b-it", "gemma"),
+    "gemma3-27b": ("google/gemma-3-27b-it", "gemma"),
+    "gemma2-2b": ("google/gemma-2-2b-it", "gemma"),
+    "llama3.1-8b": ("meta-llama/Llama-3.1-8B", "llama3.1"),
+    "qwen3-4b": ("Qwen/Qwen3-4B", "apache-2.0"),
+}
+
 # MaxText arguments the pipeline itself sets; extra args may not override them.
 OWNED_KEYS: dict[str, frozenset[str]] = {
     "convert": frozenset(
-        {"model_name", "base_output_directory", "hf_access_token", "lazy_load_tensors", "run_name"}
+        {"model_name", "base_output_directory", "hf_access_token", "lazy_load_tensors", "run_name", "revision"}
     ),
     "train": frozenset(
         {
@@ -100,6 +119,9 @@ VM_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*|/[A-Za-z0-9._/-]+)$")
 EXTRA_ARG = re.compile(r"^(--)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
 EMAIL = re.compile(r"^(default|[a-z0-9][-a-z0-9.]*@[a-z0-9][-a-z0-9.]*\.[a-z]+)$")
 SSH_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+# gs://BUCKET[/PREFIX]: a bucket name and an optional object prefix without shell metacharacters.
+GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[A-Za-z0-9._=-]+)*/?$")
+GIT_BRANCH = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$")
 
 
 class SpecError(ValueError):
@@ -137,6 +159,14 @@ class RunSpec:
     ssh_user: str
     ssh_public_key: str
     model_name: str
+    model_revision: str | None
+    base_model_id: str | None  # Hub id of the base checkpoint, for the model card
+    base_model_license: str | None
+    output_location: str | None  # gs://bucket/prefix (no trailing slash), or None: outputs die with the VM
+    hub_repo_id: str | None
+    hub_private: bool
+    hub_branch: str
+    hub_max_final_loss: float | None
     steps: int
     per_device_batch_size: int
     dataset_name: str
@@ -159,22 +189,38 @@ class RunSpec:
     training_timeout_hours: int
     poke_interval_seconds: int
 
-    # Paths on the VM (the tutorial's /dev/shm layout).
+    # Paths on the VM (the tutorial's /dev/shm layout); with an output location, MaxText's run
+    # folder and the export live in storage instead:
+    #   OUTPUT/runs/RUN_NAME/{checkpoints,tensorboard}/   MaxText's run folder, written as it trains
+    #   OUTPUT/runs/RUN_NAME/hf-export/                   the tuned model in Hugging Face format
+    #   OUTPUT/runs/RUN_NAME/run-record.json              where everything went (written last)
+    #   OUTPUT/base-checkpoints/MODEL/KEY/                converted base checkpoints, shared by runs
+    @property
+    def durable(self) -> bool:
+        return self.output_location is not None
+
     @property
     def scratch_dir(self) -> str:
         return f"/dev/shm/{self.model_name}"
 
     @property
     def maxtext_checkpoint_dir(self) -> str:
+        """Where the conversion writes on the VM (uploaded from there when outputs are durable)."""
         return f"{self.scratch_dir}/mt-format/"
 
     @property
     def train_output_dir(self) -> str:
+        if self.output_location:
+            return f"{self.output_location}/runs/"
         return f"{self.scratch_dir}/post-train/"
 
     @property
+    def run_output_dir(self) -> str:
+        return f"{self.train_output_dir}{self.run_name}"
+
+    @property
     def checkpoints_dir(self) -> str:
-        return f"{self.train_output_dir}{self.run_name}/checkpoints"
+        return f"{self.run_output_dir}/checkpoints"
 
     @property
     def final_checkpoint_path(self) -> str:
@@ -182,7 +228,35 @@ class RunSpec:
 
     @property
     def hf_export_dir(self) -> str:
+        """Where the export is written on the VM."""
         return f"{self.scratch_dir}/hf-trained/"
+
+    @property
+    def hf_export_uri(self) -> str | None:
+        """Where the export is uploaded, next to the run's checkpoints; None without an output location."""
+        return f"{self.run_output_dir}/hf-export" if self.output_location else None
+
+    @property
+    def run_record_uri(self) -> str | None:
+        return f"{self.run_output_dir}/run-record.json" if self.output_location else None
+
+    def conversion_key(self) -> dict[str, Any]:
+        """What a converted base checkpoint depends on: runs with equal keys share one conversion."""
+        args = [arg for arg in self.convert_args() if not arg.startswith("base_output_directory=")]
+        return {
+            "model_name": self.model_name,
+            "model_revision": self.model_revision or "default-branch",
+            "maxtext_version": self.maxtext_version,
+            "convert_args": args,
+        }
+
+    @property
+    def base_checkpoint_cache(self) -> str | None:
+        """Storage folder of this run's converted base checkpoint (see include/vm/convert_to_maxtext.sh)."""
+        if not self.output_location:
+            return None
+        key = _hash(json.dumps(self.conversion_key(), sort_keys=True), 16)
+        return f"{self.output_location}/base-checkpoints/{self.model_name}/{key}"
 
     @property
     def request_id(self) -> str:
@@ -215,10 +289,13 @@ class RunSpec:
             f"checkpoint_storage_use_zarr3={zarr_ocdbt}",
             f"checkpoint_storage_use_ocdbt={zarr_ocdbt}",
             f"--lazy_load_tensors={self.lazy_load_tensors}",
+            *([f"--revision={self.model_revision}"] if self.model_revision else []),
             *self.convert_extra_args,
         ]
 
-    def train_args(self) -> list[str]:
+    def train_args(self, base_checkpoint: str | None = None) -> list[str]:
+        """train_sft's arguments; `base_checkpoint` is the converted checkpoint the convert step reported."""
+        base_checkpoint = base_checkpoint or f"{self.maxtext_checkpoint_dir}0/items"
         columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
         split = [f"train_split={self.train_split}"]
         if self.dataset_revision:
@@ -234,7 +311,7 @@ class RunSpec:
             f"run_name={self.run_name}",
             f"base_output_directory={self.train_output_dir}",
             f"model_name={self.model_name}",
-            f"load_parameters_path={self.maxtext_checkpoint_dir}0/items",
+            f"load_parameters_path={base_checkpoint}",
             f"per_device_batch_size={self.per_device_batch_size}",
             f"steps={self.steps}",
             f"hf_path={self.dataset_name}",
@@ -353,6 +430,35 @@ def _bool(params: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+def _optional(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], what: str) -> str | None:
+    return None if params.get(name) is None else _require(params, name, pattern, what)
+
+
+def _outputs(p: Mapping[str, Any], model_name: str) -> dict[str, Any]:
+    """The output and publishing Params, checked together (publishing needs a known base model)."""
+    location = _optional(p, "output_location", GCS_URI, "a gs://bucket/prefix location")
+    known_id, known_license = BASE_MODELS.get(model_name, (None, None))
+    base_model_id = _optional(p, "base_model_id", HUB_ID, "a Hugging Face model id (owner/name)") or known_id
+    limit = p.get("hub_max_final_loss")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit):
+        raise SpecError(f"Param 'hub_max_final_loss': {limit!r} is not a number")
+    repo_id = _optional(p, "hub_repo_id", HUB_ID, "a Hugging Face repo id (owner/name)")
+    if repo_id and not base_model_id:
+        raise SpecError(
+            f"Param 'base_model_id': needed to publish a fine-tune of {model_name!r} (its model card names the "
+            f"base model); known models: {sorted(BASE_MODELS)}"
+        )
+    return {
+        "output_location": location.rstrip("/") if location else None,
+        "base_model_id": base_model_id,
+        "base_model_license": known_license if base_model_id == known_id else None,
+        "hub_repo_id": repo_id,
+        "hub_private": _bool(p, "hub_private"),
+        "hub_branch": _require(p, "hub_branch", GIT_BRANCH, "a branch name"),
+        "hub_max_final_loss": None if limit is None else float(limit),
+    }
+
+
 def validate_extra_args(step: str, args: Any) -> tuple[str, ...]:
     """Extra MaxText arguments: `key=value` or `--flag=value`, never a key the pipeline owns."""
     name = f"{step}_extra_args"
@@ -421,6 +527,8 @@ def build_run_spec(
         raise SpecError(f"Param 'dataset_revision': {revision!r} is not a branch, tag or commit id")
     if revision is not None and str(p["dataset_name"]).startswith("/"):
         raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder on the VM")
+    model_name = _require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b")
+    outputs = _outputs(p, model_name)
     if not SSH_USER.match(ssh_user) or ssh_user == "root":
         raise SpecError(
             f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)"
@@ -444,7 +552,9 @@ def build_run_spec(
         service_account=_require(p, "service_account", EMAIL, "'default' or a service account email"),
         ssh_user=ssh_user,
         ssh_public_key=ssh_public_key,
-        model_name=_require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b"),
+        model_name=model_name,
+        model_revision=_optional(p, "model_revision", SAFE_TOKEN, "a branch, tag or commit id"),
+        **outputs,
         steps=_int_in(p, "steps", 1, 10_000_000),
         per_device_batch_size=_int_in(p, "per_device_batch_size", 1, 4096),
         dataset_name=_require(

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from maxtext_sft.hooks.vm_ssh import REMOTE_SCRIPT_DIR
 from maxtext_sft.spec import RunSpec
 
 
+# A line by which a step script hands a value back (lib.sh's report_result).
+RESULT_LINE = re.compile(r"^MAXTEXT_SFT_RESULT ([a-z_]+)=(.*)$")
+
+
 @dataclasses.dataclass(frozen=True)
 class VmStep:
     script: str
-    arguments: Callable[[RunSpec], list[str]]
+    # (spec, results of earlier steps) -> the script's arguments
+    arguments: Callable[[RunSpec, Mapping[str, str]], list[str]]
     timeout_seconds: Callable[[RunSpec], float]
     needs_hf_token: bool
 
@@ -27,38 +33,42 @@ class VmStep:
 STEPS: dict[str, VmStep] = {
     "install": VmStep(
         script="install_maxtext.sh",
-        arguments=lambda s: [s.work_dir, s.maxtext_version],
+        arguments=lambda s, _: [s.work_dir, s.maxtext_version],
         timeout_seconds=lambda s: s.install_timeout_minutes * 60,
         needs_hf_token=False,
     ),
     "convert": VmStep(
         script="convert_to_maxtext.sh",
-        arguments=lambda s: [s.work_dir, s.maxtext_checkpoint_dir, *s.convert_args()],
+        arguments=lambda s, _: [
+            s.work_dir, s.maxtext_checkpoint_dir, s.base_checkpoint_cache or "", s.run_name, *s.convert_args()
+        ],
         timeout_seconds=lambda s: s.convert_timeout_minutes * 60,
         needs_hf_token=True,
     ),
     "start_training": VmStep(
         script="start_training.sh",
-        arguments=lambda s: [
+        arguments=lambda s, results: [
             s.work_dir,
             s.run_name,
             s.tpu["accelerator_type"],
             s.tpu["topology"],
             s.tpu["chips_per_host_bounds"],
-            *s.train_args(),
+            *s.train_args(results.get("base_checkpoint")),
         ],
         timeout_seconds=lambda s: 300,
         needs_hf_token=True,
     ),
     "training_status": VmStep(
         script="training_status.sh",
-        arguments=lambda s: [s.work_dir, s.run_name, s.checkpoints_dir, str(s.steps)],
+        arguments=lambda s, _: [s.work_dir, s.run_name, s.checkpoints_dir, str(s.steps)],
         timeout_seconds=lambda s: 120,
         needs_hf_token=False,
     ),
     "export": VmStep(
         script="export_to_hf.sh",
-        arguments=lambda s: [s.work_dir, s.final_checkpoint_path, s.hf_export_dir, *s.export_args()],
+        arguments=lambda s, _: [
+            s.work_dir, s.final_checkpoint_path, s.hf_export_dir, s.hf_export_uri or "", *s.export_args()
+        ],
         timeout_seconds=lambda s: s.export_timeout_minutes * 60,
         needs_hf_token=True,
     ),
@@ -77,7 +87,12 @@ def script_files() -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.glob("*.sh"))}
 
 
-def remote_command(step: str, spec: RunSpec) -> str:
+def remote_command(step: str, spec: RunSpec, results: Mapping[str, str] | None = None) -> str:
     vm_step = STEPS[step]
-    words = ["bash", f"{REMOTE_SCRIPT_DIR}/{vm_step.script}", *vm_step.arguments(spec)]
+    words = ["bash", f"{REMOTE_SCRIPT_DIR}/{vm_step.script}", *vm_step.arguments(spec, results or {})]
     return shlex.join(words)
+
+
+def parse_results(lines: list[str]) -> dict[str, str]:
+    """The values a script reported with report_result (the last one of a name wins)."""
+    return {m.group(1): m.group(2) for line in lines if (m := RESULT_LINE.match(line))}

@@ -22,6 +22,7 @@ TASK_ORDER = [
     "start_training",
     "wait_for_final_checkpoint",
     "export_to_hf",
+    "collect_outputs",
     "delete_vm",
     "check_run_outcome",
 ]
@@ -63,13 +64,21 @@ def test_parses_without_network_database_connections_or_variables():
     env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "sqlite:////nonexistent-dir/airflow.db"}
     result = subprocess.run([sys.executable, "-c", guard], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "TASKS 11" in result.stdout
+    assert "TASKS 13" in result.stdout
 
 
 def test_tasks_run_in_the_tutorials_order(dag):
-    assert [t.task_id for t in dag.topological_sort()] == TASK_ORDER
+    order = [t.task_id for t in dag.topological_sort()]
+    assert [task_id for task_id in order if task_id != "publish_to_hub"] == TASK_ORDER
     for upstream, downstream in zip(TASK_ORDER, TASK_ORDER[1:]):
         assert downstream in dag.get_task(upstream).downstream_task_ids
+
+
+def test_publishing_does_not_hold_the_vm_but_decides_the_run(dag):
+    publish = dag.get_task("publish_to_hub")
+    assert publish.upstream_task_ids == {"plan_run", "collect_outputs"}  # plan_run: its spec XCom
+    assert "delete_vm" not in publish.upstream_task_ids | publish.downstream_task_ids
+    assert "check_run_outcome" in publish.downstream_task_ids
 
 
 def test_delete_runs_in_every_outcome_without_deciding_the_run_state(dag):

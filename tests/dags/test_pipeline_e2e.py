@@ -56,9 +56,12 @@ def test_no_ssh_keys_pile_up_and_no_step_output_goes_to_xcom(happy_run, hf_token
     run, requests = happy_run
     # The key travels in the insert body; no check pushes another one into the metadata.
     assert not [r for r in requests if "setMetadata" in r["path"]]
-    step_tasks = {"install_maxtext", "convert_checkpoint", "start_training", "export_to_hf", "wait_for_ssh"}
+    # Step output stays in the task logs; only the paths the steps report reach XCom.
+    step_tasks = {"install_maxtext", "start_training", "wait_for_ssh"}
     assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks]
-    assert set(run.xcoms["wait_for_final_checkpoint.return_value"]) == {"final_step", "final_loss"}
+    assert set(run.xcoms["convert_checkpoint.return_value"]) == {"base_checkpoint"}
+    assert set(run.xcoms["export_to_hf.return_value"]) == {"hf_export"}
+    assert set(run.xcoms["wait_for_final_checkpoint.return_value"]) == {"final_step", "final_loss", "final_checkpoint"}
     # The token is nowhere in what went to the Compute API or into XCom.
     assert hf_token not in json.dumps(requests)
     assert hf_token not in json.dumps(run.xcoms, default=str)
@@ -70,6 +73,18 @@ def test_the_exported_model_existed_on_the_vm(happy_run, local_cloud):
     files = {entry["path"] for entry in manifest}
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert any(path.endswith(f"gemma3-4b/hf-trained/{name}") for path in files), name
+
+
+def test_without_an_output_location_the_export_is_copied_off_the_vm(happy_run):
+    run, _ = happy_run
+    record = run.xcoms["collect_outputs.return_value"]
+    assert record["checkpoints_durable"] is False and record["checkpoints"] is None
+    export = Path(record["hf_export"].split(":", 1)[1])
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in export.iterdir()}
+    assert "final training loss" in (export / "README.md").read_text()
+    assert json.loads((export.parent / "run-record.json").read_text())["run_id"] == run.run_id
+    assert "the checkpoints were not durable" in run.log
+    assert run.task_states["publish_to_hub"] == "success"  # nothing to publish: no hub_repo_id
 
 
 def _strip(value, endpoint_prefixes, project):
@@ -165,7 +180,10 @@ def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"
     assert "training exited 0 after step 8 of 40: the dataset ran out of training data" in log
-    assert "The fine-tune did not complete (export_to_hf=upstream_failed, wait_for_final_checkpoint=failed)" in log
+    assert (
+        "The fine-tune did not complete (collect_outputs=upstream_failed, export_to_hf=upstream_failed, "
+        "publish_to_hub=upstream_failed, wait_for_final_checkpoint=failed)"
+    ) in log
     assert local_cloud.vms() == []
 
 

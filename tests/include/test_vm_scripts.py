@@ -59,7 +59,7 @@ def vm(tmp_path, image_venv):
             return Path(remote.replace("/dev/shm", str(shm)))
 
         def run(self, step: str, token: str | None = TOKEN, check: bool = True) -> subprocess.CompletedProcess:
-            args = [a.replace("/dev/shm", str(shm)) for a in STEPS[step].arguments(spec)]
+            args = [a.replace("/dev/shm", str(shm)) for a in STEPS[step].arguments(spec, {})]
             env = {
                 "HOME": str(home),
                 "PATH": "/usr/bin:/bin",

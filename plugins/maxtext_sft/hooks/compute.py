@@ -16,6 +16,7 @@ from googleapiclient.discovery import build
 
 from airflow.providers.google.cloud.hooks.compute import ComputeEngineHook
 from airflow.providers.google.common.consts import CLIENT_INFO
+from maxtext_sft.hooks.endpoints import endpoint_override
 
 API_PATH = "compute/v1/"
 
@@ -30,16 +31,7 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
 
     @cached_property
     def compute_api_endpoint(self) -> str | None:
-        endpoint = self._get_field("compute_api_endpoint", None)
-        if not endpoint:
-            return None
-        endpoint = endpoint.rstrip("/") + "/"
-        if not endpoint.endswith("/" + API_PATH):
-            raise ValueError(
-                f"Connection {self.gcp_conn_id!r}: compute_api_endpoint must end with /{API_PATH} "
-                f"(gcloud's api_endpoint_overrides/compute format), got {endpoint!r}"
-            )
-        return endpoint
+        return endpoint_override(self, "compute_api_endpoint", API_PATH)
 
     def get_conn(self):
         if not self.compute_api_endpoint:

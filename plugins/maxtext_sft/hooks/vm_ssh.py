@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import select
+import stat
 import time
 from collections.abc import Callable, Mapping
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from airflow.providers.ssh.hooks.ssh import SSHHook
 
@@ -62,6 +63,26 @@ class VmSSHHook(SSHHook):
                 sftp.chmod(remote, 0o700)
         finally:
             sftp.close()
+
+    def download_dir(self, remote_dir: str, local_dir: Path) -> list[str]:
+        """Copy the regular files of `remote_dir` (recursively) into `local_dir`; return their names."""
+        sftp = self.get_conn().open_sftp()
+        copied: list[str] = []
+        try:
+
+            def walk(remote: PurePosixPath, local: Path) -> None:
+                local.mkdir(parents=True, exist_ok=True)
+                for entry in sftp.listdir_attr(str(remote)):
+                    if stat.S_ISDIR(entry.st_mode or 0):
+                        walk(remote / entry.filename, local / entry.filename)
+                    elif stat.S_ISREG(entry.st_mode or 0):
+                        sftp.get(str(remote / entry.filename), str(local / entry.filename))
+                        copied.append(str((local / entry.filename).relative_to(local_dir)))
+
+            walk(PurePosixPath(remote_dir), Path(local_dir))
+        finally:
+            sftp.close()
+        return sorted(copied)
 
     def run_command(
         self,

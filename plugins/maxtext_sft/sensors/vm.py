@@ -11,6 +11,7 @@ from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.hooks.vm_ssh import VmSSHHook
 from maxtext_sft.operators.vm_script import vm_address
 from maxtext_sft.spec import RunSpec
@@ -64,9 +65,11 @@ class TrainingCheckpointSensor(_VmSensor):
     """Wait for the final checkpoint of the training started by start_training.sh.
 
     Each poke is one short SSH call that returns the new training log lines (copied into this
-    task's log), the training process's state and exit code. It runs in reschedule mode, so no
-    worker slot is held in between. A training process that ended without its final checkpoint
-    fails the sensor at once, with the log's tail.
+    task's log), the training process's state and exit code. With an output location, completion
+    is taken from storage: the final step's Orbax commit marker, which is written after every
+    other file of the step. It runs in reschedule mode, so no worker slot is held in between. A
+    training process that ended without its final checkpoint fails the sensor at once, with the
+    log's tail.
     """
 
     def __init__(self, **kwargs):
@@ -109,8 +112,21 @@ class TrainingCheckpointSensor(_VmSensor):
         )
         if state == "running":
             return False
+        if state == "exited" and fields.get("exit_code") == "0":
+            # The checkpoints are in storage: the process is done, is its final step committed?
+            marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
+            if StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
+                self.log.info("Final checkpoint committed in storage: %s", marker)
+                state = "succeeded"
+            else:
+                self.log.warning("Training exited 0 but %s does not exist", marker)
         if state == "succeeded":
-            result = {"final_step": _number(fields.get("last_step")), "final_loss": _number(fields.get("last_loss"))}
+            result = {
+                "final_step": _number(fields.get("last_step")),
+                # As text: a diverged run's "nan" or "inf" must reach the publishing gate intact.
+                "final_loss": fields.get("last_loss"),
+                "final_checkpoint": spec.final_checkpoint_path,
+            }
             self.log.info("Training %s finished: %s", spec.run_name, result)
             return PokeReturnValue(is_done=True, xcom_value=result)
         tail = output[_tail_start(output) : -1]
@@ -120,6 +136,8 @@ class TrainingCheckpointSensor(_VmSensor):
             cause = f"training exited 0 after step {fields.get('last_step')} of {spec.steps}"
             if fields.get("out_of_data") == "yes":
                 cause += ": the dataset ran out of training data"
+            elif spec.durable:
+                cause += f": step {spec.steps} has no {ORBAX_COMMIT_MARKER} in storage"
         else:
             cause = f"training exited with code {fields.get('exit_code')} after step {fields.get('last_step')}"
         raise AirflowFailException(

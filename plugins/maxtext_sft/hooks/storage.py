@@ -1,0 +1,58 @@
+"""GCS hook whose API endpoint can be set on the Google connection, and gs:// helpers.
+
+Like `ComputeEngineEndpointHook`: a private endpoint (Private Service Connect, a proxy), or the
+local cloud in tests, is the connection extra `storage_api_endpoint` in gcloud's format for
+`api_endpoint_overrides/storage`, e.g. `https://storage-myendpoint.p.googleapis.com/storage/v1/`.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from google.api_core.client_options import ClientOptions
+
+from airflow.providers.google.cloud.hooks.gcs import GCSHook
+from maxtext_sft.hooks.endpoints import endpoint_override
+
+API_PATH = "storage/v1/"
+# Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
+ORBAX_COMMIT_MARKER = "commit_success.txt"
+
+
+def split_gcs_uri(uri: str) -> tuple[str, str]:
+    """gs://bucket/some/prefix -> ("bucket", "some/prefix")."""
+    if not uri.startswith("gs://"):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    bucket, _, name = uri[len("gs://") :].partition("/")
+    return bucket, name.strip("/")
+
+
+class StorageEndpointHook(GCSHook):
+    """`GCSHook` that honours the connection extra `storage_api_endpoint`."""
+
+    @cached_property
+    def storage_api_endpoint(self) -> str | None:
+        return endpoint_override(self, "storage_api_endpoint", API_PATH)
+
+    def get_client_options(self, api_endpoint_override: str | None = None) -> ClientOptions:
+        if self.storage_api_endpoint and not api_endpoint_override:
+            # google-cloud-storage wants the host root; it adds /storage/v1 itself.
+            api_endpoint_override = self.storage_api_endpoint[: -len(API_PATH)].rstrip("/")
+        return super().get_client_options(api_endpoint_override)
+
+    def uri_exists(self, uri: str) -> bool:
+        bucket, name = split_gcs_uri(uri)
+        return self.exists(bucket, name)
+
+    def committed_steps(self, checkpoints_uri: str) -> list[int]:
+        """Checkpoint steps under `checkpoints_uri` whose Orbax commit marker exists, ascending.
+
+        A step folder without the marker is being written, or was abandoned: it does not count.
+        """
+        bucket, prefix = split_gcs_uri(checkpoints_uri)
+        steps = []
+        for name in self.list(bucket, prefix=f"{prefix}/"):
+            step, _, rest = name[len(prefix) + 1 :].partition("/")
+            if step.isdigit() and rest == ORBAX_COMMIT_MARKER:
+                steps.append(int(step))
+        return sorted(steps)

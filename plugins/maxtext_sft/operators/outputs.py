@@ -1,0 +1,169 @@
+"""After the export: put the run's outputs where they last, record them, publish to the Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from airflow.sdk import BaseOperator, conf
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from maxtext_sft.hooks.hub import HuggingFaceHubHook
+from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.operators.vm_script import vm_address
+from maxtext_sft.outputs import (
+    MODEL_CARD_NAME,
+    RUN_RECORD_NAME,
+    FinalLossError,
+    check_final_loss,
+    hub_commit_title,
+    model_card,
+    run_record,
+)
+from maxtext_sft.spec import RunSpec
+
+# Files an export must have to be a model (to_huggingface writes these and the tokenizer's).
+REQUIRED_EXPORT_FILES = ("config.json", "model.safetensors")
+
+
+def local_output_dir() -> Path:
+    """Where runs without an output location keep their export: `[maxtext_sft] local_output_dir`."""
+    default = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "maxtext-sft-outputs"
+    return Path(conf.get("maxtext_sft", "local_output_dir", fallback=str(default)))
+
+
+class CollectOutputsOperator(BaseOperator):
+    """Write the model card next to the export and the run record last; without an output
+    location, first copy the export off the VM (its checkpoints die with it: the log says so).
+    Returns the run record (locations, final step and loss)."""
+
+    template_fields: Sequence[str] = ("spec", "training", "base_checkpoint", "export")
+
+    def __init__(self, *, spec, training, base_checkpoint, export, gcp_conn_id: str, ssh_conn_id: str, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.training = training
+        self.base_checkpoint = base_checkpoint
+        self.export = export
+        self.gcp_conn_id = gcp_conn_id
+        self.ssh_conn_id = ssh_conn_id
+
+    def execute(self, context) -> dict:
+        spec = RunSpec.from_dict(self.spec)
+        card = model_card(spec, final_step=self.training["final_step"], final_loss=self.training["final_loss"])
+        base_checkpoint = (self.base_checkpoint or {}).get("base_checkpoint")
+        if spec.durable:
+            return self._in_storage(spec, card, base_checkpoint)
+        return self._copied_off_the_vm(spec, card, base_checkpoint)
+
+    def _in_storage(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
+        storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        export_uri = spec.hf_export_uri
+        bucket, prefix = split_gcs_uri(export_uri)
+        missing = [name for name in REQUIRED_EXPORT_FILES if not storage.exists(bucket, f"{prefix}/{name}")]
+        if missing:
+            raise AirflowException(f"The export in {export_uri} lacks {missing}: was export_to_hf's upload complete?")
+        storage.upload(bucket, f"{prefix}/{MODEL_CARD_NAME}", data=card, mime_type="text/markdown")
+        record = run_record(
+            spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri, durable=True
+        )
+        record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
+        storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
+        self.log.info("Outputs of %s: %s", spec.run_name, json.dumps(record, indent=1))
+        return record
+
+    def _copied_off_the_vm(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
+        folder = local_output_dir() / spec.dag_id / spec.run_name
+        export_dir = folder / "hf-export"
+        hook = VmSSHHook(
+            ssh_conn_id=self.ssh_conn_id,
+            remote_host=vm_address(spec, self.gcp_conn_id),
+            conn_timeout=spec.ssh_connect_timeout_seconds,
+        )
+        with hook.get_conn():
+            files = hook.download_dir(spec.hf_export_dir, export_dir)
+        self.log.info("Copied the export off %s to %s: %s", spec.vm_name, export_dir, files)
+        missing = [name for name in REQUIRED_EXPORT_FILES if name not in files]
+        if missing:
+            raise AirflowException(f"The export on {spec.vm_name} lacks {missing}")
+        (export_dir / MODEL_CARD_NAME).write_text(card)
+        location = f"{socket.gethostname()}:{export_dir}"
+        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location, durable=False)
+        (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
+        self.log.warning(
+            "No output_location: the checkpoints were not durable and are deleted with the VM; only the export "
+            "was kept, on this worker at %s. Set output_location (gs://...) to keep checkpoints and resume.",
+            export_dir,
+        )
+        return record
+
+
+class PublishToHubOperator(BaseOperator):
+    """Upload the exported model with its card to `hub_repo_id` in one commit named after the run.
+
+    Nothing is published, and the task fails, when the final loss is NaN, infinite or above
+    `hub_max_final_loss`. A commit of this DAG run already on the branch means it was published:
+    running the task again adds no commit.
+    """
+
+    template_fields: Sequence[str] = ("spec", "record")
+
+    def __init__(self, *, spec, record, gcp_conn_id: str, hf_conn_id: str, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.record = record
+        self.gcp_conn_id = gcp_conn_id
+        self.hf_conn_id = hf_conn_id
+
+    def execute(self, context) -> dict | None:
+        spec = RunSpec.from_dict(self.spec)
+        if not spec.hub_repo_id:
+            self.log.info("hub_repo_id is not set: nothing to publish")
+            return None
+        try:
+            loss = check_final_loss(self.record["final_loss"], spec.hub_max_final_loss)
+        except FinalLossError as error:
+            raise AirflowFailException(f"Not publishing to {spec.hub_repo_id}: {error}") from None
+        api = HuggingFaceHubHook(hf_conn_id=self.hf_conn_id).get_conn()
+        repo = api.create_repo(spec.hub_repo_id, repo_type="model", private=spec.hub_private, exist_ok=True)
+        self.log.info("Hub repo: %s", repo)
+        if spec.hub_branch != "main":
+            api.create_branch(spec.hub_repo_id, branch=spec.hub_branch, exist_ok=True)
+        title = hub_commit_title(spec)
+        for commit in api.list_repo_commits(spec.hub_repo_id, revision=spec.hub_branch):
+            if commit.title == title:
+                self.log.info("Already published by this DAG run as commit %s; adding none", commit.commit_id)
+                return {"repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": commit.commit_id}
+        with tempfile.TemporaryDirectory(prefix="maxtext-sft-publish-") as scratch:
+            folder = self._export_folder(spec, Path(scratch))
+            info = api.upload_folder(
+                repo_id=spec.hub_repo_id,
+                folder_path=folder,
+                revision=spec.hub_branch,
+                commit_message=title,
+                commit_description=f"MaxText run {spec.run_name}: {self.record['final_step']} steps, final loss {loss}.",
+            )
+        self.log.info("Published %s to %s@%s: commit %s", spec.run_name, spec.hub_repo_id, spec.hub_branch, info.oid)
+        return {"repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": info.oid, "url": info.commit_url}
+
+    def _export_folder(self, spec: RunSpec, scratch: Path) -> Path:
+        export = self.record["hf_export"]
+        if export.startswith("gs://"):
+            storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+            bucket, prefix = split_gcs_uri(export)
+            for name in storage.list(bucket, prefix=f"{prefix}/"):
+                target = scratch / name[len(prefix) + 1 :]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                storage.download(bucket, name, filename=str(target))
+            return scratch
+        host, _, path = export.partition(":")
+        if host != socket.gethostname() or not Path(path).is_dir():
+            raise AirflowException(
+                f"The export is at {export}, not on this worker ({socket.gethostname()}): without an "
+                "output_location, publishing must run where the export was copied (or share local_output_dir)"
+            )
+        return Path(path)
