@@ -116,6 +116,15 @@ def test_extra_args_keep_values_as_data():
         ("maxtext_version", "latest"),
         ("vm_name_prefix", "UPPER"),
         ("use_pathways", "yes"),
+        ("output_location", "s3://bucket/x"),
+        ("output_location", "gs://bucket/a b"),
+        ("output_location", "gs://bucket/$(id)"),
+        ("model_revision", "main`id`"),
+        ("hub_repo_id", "no-owner"),
+        ("hub_branch", "-bad"),
+        ("hub_private", "no"),
+        ("hub_max_final_loss", "1.5"),
+        ("hub_max_final_loss", float("nan")),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
@@ -156,3 +165,40 @@ def test_defaults_are_the_tutorials():
     body = spec.instance_body()
     assert body["scheduling"]["provisioning_model"] == "RESERVATION_BOUND"
     assert body["scheduling"]["instance_termination_action"] == "DELETE"
+
+
+def test_with_an_output_location_maxtext_writes_its_run_folder_there():
+    spec = make_spec(output_location="gs://team-bucket/sft/")
+    assert spec.durable and spec.output_location == "gs://team-bucket/sft"
+    assert f"base_output_directory=gs://team-bucket/sft/runs/" in spec.train_args()
+    assert spec.checkpoints_dir == f"gs://team-bucket/sft/runs/{spec.run_name}/checkpoints"
+    assert spec.hf_export_uri == f"gs://team-bucket/sft/runs/{spec.run_name}/hf-export"
+    assert spec.run_record_uri == f"gs://team-bucket/sft/runs/{spec.run_name}/run-record.json"
+    assert "load_parameters_path=gs://cache/0/items" in spec.train_args("gs://cache/0/items")
+    local = make_spec()
+    assert not local.durable and local.hf_export_uri is None and local.base_checkpoint_cache is None
+    assert local.checkpoints_dir.startswith("/dev/shm/gemma3-4b/post-train/")
+
+
+def test_the_conversion_cache_key_names_model_revision_version_and_flags():
+    base = make_spec(output_location="gs://bkt/p")
+    again = make_spec(output_location="gs://bkt/p", run_id="scheduled__another")
+    assert base.base_checkpoint_cache == again.base_checkpoint_cache  # another run, same conversion
+    assert base.base_checkpoint_cache.startswith("gs://bkt/p/base-checkpoints/gemma3-4b/")
+    for change in (
+        {"model_revision": "abc123"},
+        {"maxtext_version": "0.2.3"},
+        {"convert_extra_args": ["--hf_model_path=/models/gemma"]},
+        {"use_pathways": True},
+    ):
+        assert make_spec(output_location="gs://bkt/p", **change).base_checkpoint_cache != base.base_checkpoint_cache
+    assert "--revision=abc123" in make_spec(model_revision="abc123").convert_args()
+
+
+def test_publishing_needs_a_known_base_model():
+    spec = make_spec(hub_repo_id="team/gemma-sft")
+    assert (spec.base_model_id, spec.base_model_license) == ("google/gemma-3-4b-it", "gemma")
+    with pytest.raises(SpecError, match="'base_model_id'"):
+        make_spec(model_name="mystery-7b", hub_repo_id="team/x")
+    custom = make_spec(model_name="mystery-7b", hub_repo_id="team/x", base_model_id="lab/mystery-7b")
+    assert (custom.base_model_id, custom.base_model_license) == ("lab/mystery-7b", None)
