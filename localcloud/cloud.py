@@ -1,12 +1,21 @@
-"""Launcher for the local cloud's emulators (today: Compute Engine), for tests and local runs.
+"""Launcher for the local cloud's emulators (Cloud Storage, Compute Engine), for tests and
+local runs.
 
     with LocalCloud(state_dir, images={"PROJECT/FAMILY": Path("/image/dir")}) as cloud:
         cloud.compute_endpoint   # "http://127.0.0.1:PORT/compute/v1/"
+        cloud.storage_endpoint   # "http://127.0.0.1:PORT2/storage/v1/"
+        cloud.create_bucket("my-bucket")
 
-The emulator runs as `python -m localcloud.compute` in its own session; it is stopped by
-`stop()`, at interpreter exit, or by itself when this process dies. One emulator per state
-dir: starting on a dir whose previous emulator crashed (or still runs) takes it over and
-reaps that emulator's VMs.
+Each emulator runs as `python -m localcloud.<service>` in its own session; they are stopped
+by `stop()`, at interpreter exit, or by themselves when this process dies. One cloud per
+state dir: starting on a dir whose previous emulators crashed (or still run) takes them over
+and reaps the old compute emulator's VMs. Storage keeps its buckets in STATE_DIR/storage/
+across restarts.
+
+The VMs reach the storage emulator the way a real TPU VM reaches Cloud Storage with its
+service account: every SSH session on a VM has `vm_env` in its environment (sshd SetEnv), so
+gcloud storage, google-cloud-storage, gcsfs, tensorstore (Orbax) and the MaxText stand-in
+talk to the emulator with no other setup.
 """
 
 from __future__ import annotations
@@ -32,6 +41,84 @@ class LocalCloudError(RuntimeError):
     pass
 
 
+def storage_env(storage_url: str) -> dict[str, str]:
+    """Environment variables that point every Cloud Storage client at the emulator at
+    `storage_url` ("http://127.0.0.1:PORT"), with no credentials to find."""
+    return {
+        # gcloud storage: the JSON API endpoint, and a token instead of a service account.
+        "CLOUDSDK_API_ENDPOINT_OVERRIDES_STORAGE": f"{storage_url}/storage/v1/",
+        "CLOUDSDK_AUTH_ACCESS_TOKEN": "localcloud-vm-service-account",
+        "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
+        # google-cloud-storage (anonymous credentials then), gcsfs, the MaxText stand-in.
+        "STORAGE_EMULATOR_HOST": storage_url,
+        # gcsfs: the plain JSON API client. (Newer gcsfs, like the project venv's, defaults to
+        # an extended one that first asks the gRPC Storage Control API for each bucket's layout.)
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        # tensorstore's gcs kvstore (Orbax's checkpoint data); it finds no credentials and
+        # goes on anonymously after one logged error line.
+        "TENSORSTORE_GCS_HTTP_URL": storage_url,
+        # etils.epath (Orbax's paths) handles gs:// with gcsfs rather than TensorFlow's gfile.
+        "EPATH_USE_TF": "false",
+    }
+
+
+class _Service:
+    """One emulator process: own session, ready file, log file; stopped by process group."""
+
+    def __init__(self, label: str, module: str, ready_file: Path, log_file: Path) -> None:
+        self.label, self.module, self.ready_file, self.log_file = label, module, ready_file, log_file
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    def start(self, python: str, args: list[str], timeout: float) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
+        with open(self.log_file, "ab") as log_file:
+            proc = subprocess.Popen(
+                [python, "-m", self.module, *args, "--ready-file", str(self.ready_file), "--parent-pid", str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=env,
+                cwd=_PACKAGE_ROOT,
+                # Own process group: stop() signals the emulator alone, and a Ctrl-C in
+                # the terminal reaches us, whose stop() then shuts it down in order.
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.ready_file.exists():
+                ready = json.loads(self.ready_file.read_text())
+                if ready.get("pid") == proc.pid:
+                    break
+            if proc.poll() is not None:
+                raise LocalCloudError(f"{self.label} emulator exited with {proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                _terminate(proc, 5.0)
+                raise LocalCloudError(f"{self.label} emulator not ready after {timeout}s: {self.log_tail()}")
+            time.sleep(0.02)
+        self.proc, self.port = proc, ready["port"]
+
+    def stop(self, timeout: float) -> subprocess.Popen | None:
+        """Stop it (idempotent); returns the process if it had to be killed or failed."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        forced = _terminate(proc, timeout)
+        return proc if forced or proc.returncode != 0 else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, size: int = 3000) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-size:]
+        except FileNotFoundError:
+            return ""
+
+
 class LocalCloud:
     def __init__(
         self,
@@ -42,84 +129,67 @@ class LocalCloud:
         stop_timeout: float = 30.0,
         python: str = sys.executable,
         keep_deleted_shm: bool = False,
+        vm_env: dict[str, str] | None = None,
     ) -> None:
+        """`vm_env` adds to (or overrides) the environment every VM's SSH sessions get."""
         self.state_dir = Path(state_dir).resolve()
         self.keep_deleted_shm = keep_deleted_shm
         self.images = {k: Path(v) for k, v in (images or {}).items()}
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.python = python
-        self.port: int | None = None
-        self.pid: int | None = None
-        self._proc: subprocess.Popen | None = None
+        self.extra_vm_env = dict(vm_env or {})
+        d = self.state_dir
+        self._storage = _Service("storage", "localcloud.storage", d / "storage-ready.json", d / "storage-emulator.log")
+        self._compute = _Service("compute", "localcloud.compute", d / "compute-ready.json", d / "compute-emulator.log")
         self._lock = threading.Lock()
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> LocalCloud:
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
+            if self._compute.running and self._storage.running:
                 return self
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            images_file = self.state_dir / "compute-images.json"
-            images_file.write_text(json.dumps({k: str(v) for k, v in self.images.items()}, indent=1))
-            ready_file = self.state_dir / "compute-ready.json"
-            ready_file.unlink(missing_ok=True)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-            with open(self.state_dir / "compute-emulator.log", "ab") as log_file:
-                proc = subprocess.Popen(
-                    [
-                        self.python, "-m", "localcloud.compute",
-                        "--state-dir", str(self.state_dir),
-                        "--port", "0",
-                        "--images-file", str(images_file),
-                        "--ready-file", str(ready_file),
-                        "--parent-pid", str(os.getpid()),
-                        *(["--keep-deleted-shm"] if self.keep_deleted_shm else []),
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=log_file,
-                    env=env,
-                    cwd=_PACKAGE_ROOT,
-                    # Own process group: stop() signals the emulator alone, and a Ctrl-C in
-                    # the terminal reaches us, whose stop() then shuts it down in order.
-                    start_new_session=True,
-                )
-            ready = self._wait_ready(proc, ready_file)
-            self._proc = proc
-            self.port = ready["port"]
-            self.pid = proc.pid
+            try:
+                if not self._storage.running:
+                    self._storage.start(self.python, ["--state-dir", str(self.state_dir / "storage"), "--port", "0"],
+                                        self.startup_timeout)
+                if not self._compute.running:
+                    images_file = self.state_dir / "compute-images.json"
+                    images_file.write_text(json.dumps({k: str(v) for k, v in self.images.items()}, indent=1))
+                    env_file = self.state_dir / "compute-vm-env.json"
+                    env_file.write_text(json.dumps(self.vm_env, indent=1))
+                    self._compute.start(
+                        self.python,
+                        [
+                            "--state-dir", str(self.state_dir),
+                            "--port", "0",
+                            "--images-file", str(images_file),
+                            "--vm-env-file", str(env_file),
+                            *(["--keep-deleted-shm"] if self.keep_deleted_shm else []),
+                        ],
+                        self.startup_timeout,
+                    )
+            except BaseException:
+                self._stop_services()
+                raise
             atexit.register(self.stop)
             return self
 
-    def _wait_ready(self, proc: subprocess.Popen, ready_file: Path) -> dict:
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            if ready_file.exists():
-                ready = json.loads(ready_file.read_text())
-                if ready.get("pid") == proc.pid:
-                    return ready
-            if proc.poll() is not None:
-                raise LocalCloudError(f"compute emulator exited with {proc.returncode}: {self._log_tail()}")
-            if time.monotonic() > deadline:
-                _terminate(proc, 5.0)
-                raise LocalCloudError(f"compute emulator not ready after {self.startup_timeout}s: {self._log_tail()}")
-            time.sleep(0.02)
-
     def stop(self) -> None:
-        """Stop the emulator (it deletes its VMs); idempotent."""
+        """Stop the emulators (compute deletes its VMs first); idempotent."""
         with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None:
-                return
             atexit.unregister(self.stop)
-            forced = _terminate(proc, self.stop_timeout)
-            if forced or proc.returncode != 0:
-                # The emulator was killed or crashed, so it could not delete its VMs: reap
-                # them from their records (only its own, never a newer emulator's).
-                reap_stale(self.state_dir, only_owner=proc.pid)
+            self._stop_services()
+
+    def _stop_services(self) -> None:
+        failed = self._compute.stop(self.stop_timeout)
+        if failed is not None:
+            # The emulator was killed or crashed, so it could not delete its VMs: reap
+            # them from their records (only its own, never a newer emulator's).
+            reap_stale(self.state_dir, only_owner=failed.pid)
+        self._storage.stop(self.stop_timeout)
 
     def __enter__(self) -> LocalCloud:
         return self.start()
@@ -129,7 +199,24 @@ class LocalCloud:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._compute.running and self._storage.running
+
+    # The compute emulator's port, pid and process (what tests of the compute API look at).
+    @property
+    def port(self) -> int | None:
+        return self._compute.port
+
+    @property
+    def pid(self) -> int | None:
+        return self._compute.proc.pid if self._compute.proc else None
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        return self._compute.proc
+
+    @property
+    def storage_pid(self) -> int | None:
+        return self._storage.proc.pid if self._storage.proc else None
 
     # ----- endpoints and controls ----------------------------------------------------------
 
@@ -143,6 +230,53 @@ class LocalCloud:
     def compute_endpoint(self) -> str:
         """gcloud's api_endpoint_overrides/compute format (and the discovery client's)."""
         return f"{self.base_url}/compute/v1/"
+
+    @property
+    def storage_url(self) -> str:
+        """The storage emulator's root, "http://127.0.0.1:PORT" (STORAGE_EMULATOR_HOST's format)."""
+        if self._storage.port is None:
+            raise LocalCloudError("LocalCloud is not started")
+        return f"http://127.0.0.1:{self._storage.port}"
+
+    @property
+    def storage_endpoint(self) -> str:
+        """gcloud's api_endpoint_overrides/storage format."""
+        return f"{self.storage_url}/storage/v1/"
+
+    @property
+    def vm_env(self) -> dict[str, str]:
+        """The environment every VM's SSH sessions get (see `storage_env`), plus `vm_env` extras."""
+        return {**storage_env(self.storage_url), **self.extra_vm_env}
+
+    def storage_requests(self) -> list[dict]:
+        """The storage emulator's request log: [{time, method, path, query, status}]."""
+        return self._control("GET", "requests", base=self.storage_url)
+
+    def clear_storage_requests(self) -> None:
+        self._control("DELETE", "requests", base=self.storage_url)
+
+    def set_storage_faults(self, rules: list[dict]) -> list[dict]:
+        """Replace the storage emulator's fault rules: [{"method": "PUT", "path_regex": "/upload/",
+        "status": 503, "count": 1}]; a matching request gets that error, `count` times or always."""
+        return self._control("POST", "faults", {"rules": rules}, base=self.storage_url)["rules"]
+
+    def create_bucket(self, name: str, *, exist_ok: bool = False) -> dict:
+        """Create bucket `name` through the JSON API; returns the bucket resource."""
+        request = urllib.request.Request(
+            f"{self.storage_endpoint}b?project=localcloud",
+            data=json.dumps({"name": name}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+            if exc.code == 409 and exist_ok:
+                with urllib.request.urlopen(f"{self.storage_endpoint}b/{name}", timeout=30) as response:
+                    return json.loads(response.read())
+            raise LocalCloudError(f"creating bucket {name!r}: {exc.code} {body}") from None
 
     def requests(self) -> list[dict]:
         return self._control("GET", "requests")
@@ -185,10 +319,10 @@ class LocalCloud:
         except FileNotFoundError:
             return None
 
-    def _control(self, method: str, what: str, body: object = None) -> object:
+    def _control(self, method: str, what: str, body: object = None, base: str | None = None) -> object:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            f"{self.base_url}/_localcloud/{what}",
+            f"{base or self.base_url}/_localcloud/{what}",
             data=data,
             method=method,
             headers={"Content-Type": "application/json"},
@@ -198,12 +332,6 @@ class LocalCloud:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             raise LocalCloudError(f"{method} /_localcloud/{what}: {exc.code} {exc.read().decode(errors='replace')}") from None
-
-    def _log_tail(self, size: int = 3000) -> str:
-        try:
-            return (self.state_dir / "compute-emulator.log").read_text(errors="replace")[-size:]
-        except FileNotFoundError:
-            return ""
 
 
 def _terminate(proc: subprocess.Popen, timeout: float) -> bool:

@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .._daemon import RequestLog
 from . import errors
 from .errors import ApiError
 from .filters import parse_filter
@@ -181,31 +182,6 @@ class Faults:
             return copy.deepcopy(value)
 
 
-class RequestLog:
-    """One JSON line per API request in STATE_DIR/compute-requests.jsonl."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def append(self, entry: dict) -> None:
-        line = json.dumps(entry, sort_keys=True) + "\n"
-        with self._lock, open(self.path, "a") as f:
-            f.write(line)
-
-    def read(self) -> list[dict]:
-        with self._lock:
-            try:
-                text = self.path.read_text()
-            except FileNotFoundError:
-                return []
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    def clear(self) -> None:
-        with self._lock:
-            self.path.write_text("")
-
-
 class Instance:
     def __init__(self, project: str, zone: str, name: str, resource: dict, image_dir: Path | None) -> None:
         self.project, self.zone, self.name = project, zone, name
@@ -235,9 +211,11 @@ class ComputeEmulator:
         operation_wait_timeout: float = 120.0,
         vm_ready_timeout: float = 30.0,
         keep_deleted_shm: bool = False,
+        vm_env: dict[str, str] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.keep_deleted_shm = keep_deleted_shm
+        self.vm_env = dict(vm_env or {})
         self.images = {k: Path(v) for k, v in (images or {}).items()}
         self.operation_wait_timeout = operation_wait_timeout
         self.vm_ready_timeout = vm_ready_timeout
@@ -752,7 +730,7 @@ class ComputeEmulator:
                         raise RuntimeError("instance deleted while being created")
                     inst.resource["status"] = "STAGING"
                     metadata = copy.deepcopy(inst.resource["metadata"])
-                vm = SandboxVM(self.state_dir, inst.name, inst.ip)
+                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=self.vm_env)
                 inst.vm = vm
                 vm.prepare()
                 GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata)

@@ -3,7 +3,8 @@
 Layout on the host, `STATE_DIR/vms/NAME/`:
     vm.json        name, ip, host pid (+ start time) of `unshare`, PID namespace, owner pid
     etc/           the VM's passwd, group, shadow (bind-mounted over /etc/...)
-    etc-ssh/       sshd_config, host keys, moduli (bind-mounted over /etc/ssh)
+    etc-ssh/       sshd_config (with a SetEnv line for the VM environment), host keys, moduli
+                   (bind-mounted over /etc/ssh)
     home/ tmp/ var-tmp/ shm/ root/  bind-mounted over /home, /tmp, /var/tmp, /dev/shm, /root
     sshd.log       sshd's stderr
 `STATE_DIR/vm-etc/` is bind-mounted read-only at /run/localcloud in every VM.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -74,14 +76,31 @@ X11Forwarding no
 MaxStartups 100:30:200
 """
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def setenv_line(env: dict[str, str]) -> str:
+    """The sshd_config `SetEnv` line: what every SSH session of the VM finds in its environment
+    (the local cloud's stand-in for what a real VM gets from its image and service account).
+    One line only: sshd uses the first SetEnv directive and ignores later ones."""
+    words = []
+    for name, value in sorted(env.items()):
+        if not _ENV_NAME.fullmatch(name) or not isinstance(value, str) or any(c in value for c in '"\\\n\r'):
+            raise VMError(f"VM environment variable {name}={value!r} cannot be written as an sshd SetEnv")
+        words.append(f'"{name}={value}"')
+    return f"SetEnv {' '.join(words)}\n" if words else ""
+
 
 class VMError(RuntimeError):
     pass
 
 
 class SandboxVM:
-    def __init__(self, state_dir: Path, name: str, ip: str, owner_pid: int | None = None) -> None:
+    def __init__(
+        self, state_dir: Path, name: str, ip: str, owner_pid: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.state_dir = state_dir
+        self.env = dict(env or {})
         self.name = name
         self.ip = ip
         self.owner_pid = owner_pid or os.getpid()
@@ -129,7 +148,7 @@ class SandboxVM:
             _, err = proc.communicate()
             if proc.returncode:
                 raise VMError(f"ssh-keygen failed: {err.decode(errors='replace')}")
-        (ssh / "sshd_config").write_text(_SSHD_CONFIG.format(ip=self.ip))
+        (ssh / "sshd_config").write_text(_SSHD_CONFIG.format(ip=self.ip) + setenv_line(self.env))
 
     def start(self) -> None:
         with open(self.root / "sshd.log", "ab") as log_file:

@@ -9,6 +9,8 @@ import shlex
 import struct
 import subprocess
 import time
+import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,7 +50,7 @@ def venv_python():
 def mt(tmp_path, venv_python):
     """Runs stand-in commands in tmp_path; `faults` becomes the fault file."""
 
-    def run(command, faults=None, hf_token=None, popen=False):
+    def run(command, faults=None, hf_token=None, popen=False, env_extra=None):
         command = command.replace("/dev/shm/gemma3-4b", str(tmp_path))
         argv = shlex.split(command)
         assert argv[0] == "python3"
@@ -56,8 +58,9 @@ def mt(tmp_path, venv_python):
         fault_file = tmp_path / "faults.json"
         fault_file.write_text(json.dumps({"seconds_per_step": FAST, **(faults or {})}))
         env = {key: value for key, value in os.environ.items()
-               if key not in ("HF_TOKEN", "PYTHONPATH", "VIRTUAL_ENV")}
+               if key not in ("HF_TOKEN", "PYTHONPATH", "VIRTUAL_ENV", "STORAGE_EMULATOR_HOST")}
         env["MAXTEXT_STANDIN_FAULTS"] = str(fault_file)
+        env.update(env_extra or {})
         if hf_token:
             env["HF_TOKEN"] = hf_token
         if popen:
@@ -281,3 +284,129 @@ def test_image_is_cached_world_readable_and_reports_maxtext_0_2_2(tmp_path, monk
 
     monkeypatch.setattr(images, "BUILDER_VERSION", images.BUILDER_VERSION + 1)
     assert images.build_fast_image(tmp_path) != first  # a new recipe builds a new image
+
+
+# ----- gs:// locations, against the local cloud's storage emulator ---------------------------------
+
+
+@pytest.fixture
+def gcs(compute_cloud):
+    """(bucket name, storage env, client) for a fresh bucket in the session's local cloud."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    bucket = f"standin-{uuid.uuid4().hex[:10]}"
+    compute_cloud.create_bucket(bucket)
+    client = storage.Client(client_options={"api_endpoint": compute_cloud.storage_url},
+                            credentials=AnonymousCredentials(), project="p")
+    return SimpleNamespace(bucket=bucket, env={"STORAGE_EMULATOR_HOST": compute_cloud.storage_url}, client=client,
+                           cloud=compute_cloud)
+
+
+def on_gcs(command, bucket):
+    """A pipeline command with its MaxText-side paths (not to_huggingface's output) on gs://bucket."""
+    for folder in ("mt-format", "post-train"):
+        command = command.replace(f"/dev/shm/gemma3-4b/{folder}", f"gs://{bucket}/{folder}")
+    return command
+
+
+def names(gcs, prefix=""):
+    return [blob.name for blob in gcs.client.list_blobs(gcs.bucket, prefix=prefix)]
+
+
+def gcs_steps(gcs, run_name="R"):
+    """Committed checkpoint steps of a run on gs:// (those with commit_success.txt)."""
+    prefix = f"post-train/{run_name}/checkpoints/"
+    return sorted(int(name[len(prefix):].split("/")[0]) for name in names(gcs, prefix)
+                  if name.endswith("/commit_success.txt") and name.count("/") == 4)
+
+
+def test_pipeline_commands_on_gcs(mt, gcs):
+    result = mt(on_gcs(TO_MAXTEXT, gcs.bucket), hf_token=TOKEN, env_extra=gcs.env)
+    assert result.returncode == 0, result.stderr
+    converted = names(gcs, "mt-format/")
+    assert {"mt-format/.standin-hf-token.sha256", "mt-format/0/_CHECKPOINT_METADATA", "mt-format/0/items/_METADATA",
+            "mt-format/0/items/commit_success.txt", "mt-format/0/commit_success.txt"} <= set(converted)
+    # As Orbax on GCS: the step's commit_success.txt is the last object written.
+    step_writes = [r["query"]["name"] for r in gcs.cloud.storage_requests()
+                   if r["method"] == "POST" and r["query"].get("name", "").startswith("mt-format/0/")]
+    assert step_writes[-1] == "mt-format/0/commit_success.txt" and len(step_writes) == len(set(step_writes))
+    assert not (mt.dir / "mt-format").exists()
+
+    train = on_gcs(TRAIN_SFT, gcs.bucket).replace("steps=1000", "steps=12 checkpoint_period=5")
+    result = mt(train, env_extra=gcs.env)
+    assert result.returncode == 0, result.stderr
+    assert steps_logged(result.stderr) == list(range(1, 13))
+    assert gcs_steps(gcs) == [1, 5, 10, 12]
+    run_objects = names(gcs, "post-train/R/")
+    assert "post-train/R/checkpoints/12/model_params/_METADATA" in run_objects
+    assert any("/tensorboard/events.out.tfevents." in name for name in run_objects)
+    assert any(name.endswith(".xplane.pb") for name in run_objects)
+
+    export = TO_HUGGINGFACE.replace("/dev/shm/gemma3-4b/post-train", f"gs://{gcs.bucket}/post-train").replace(
+        "checkpoints/1000/", "checkpoints/12/")
+    result = mt(export, env_extra=gcs.env)
+    assert result.returncode == 0, result.stderr
+    data = (mt.dir / "hf-trained/model.safetensors").read_bytes()  # the output stays a local folder
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    assert header["__metadata__"]["step"] == "12"
+    assert header["__metadata__"]["source"] == f"gs://{gcs.bucket}/post-train/R/checkpoints/12/model_params"
+
+
+def test_gcs_parameters_must_exist_and_need_the_emulator(mt, gcs):
+    train = on_gcs(TRAIN_SFT, gcs.bucket)
+    missing = mt(train, env_extra=gcs.env)
+    assert missing.returncode == 1
+    assert f"No valid Orbax checkpoint found at 'gs://{gcs.bucket}/mt-format/0/items'" in missing.stderr
+    export = mt(TO_HUGGINGFACE.replace("/dev/shm/gemma3-4b/post-train", f"gs://{gcs.bucket}/post-train"),
+                env_extra=gcs.env)
+    assert export.returncode == 1 and "No valid Orbax checkpoint found at 'gs://" in export.stderr
+    assert not (mt.dir / "hf-trained").exists()
+
+    no_emulator = mt(on_gcs(TO_MAXTEXT, gcs.bucket), hf_token=TOKEN)
+    assert no_emulator.returncode == 1 and "gs:// paths need $STORAGE_EMULATOR_HOST" in no_emulator.stderr
+    no_bucket = mt(on_gcs(TO_MAXTEXT, "standin-no-such-bucket"), hf_token=TOKEN, env_extra=gcs.env)
+    assert no_bucket.returncode == 1 and "404 The specified bucket does not exist." in no_bucket.stderr
+
+
+def wait_for(condition, what, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the process exited before {what}: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_partial_checkpoint_is_not_resumed(mt, gcs, where):
+    extra = "steps=12 checkpoint_period=5"
+    env = gcs.env if where == "gcs" else None
+    if where == "gcs":
+        assert mt(on_gcs(TO_MAXTEXT, gcs.bucket), hf_token=TOKEN, env_extra=env).returncode == 0
+        command = on_gcs(TRAIN_SFT, gcs.bucket)
+        step_10 = lambda: "post-train/R/checkpoints/10/_CHECKPOINT_METADATA" in names(gcs, "post-train/R/checkpoints/10/")
+        committed = lambda: gcs_steps(gcs)
+    else:
+        convert(mt)
+        command = TRAIN_SFT
+        checkpoint_dir = mt.dir / "post-train/R/checkpoints"
+        step_10 = lambda: any(checkpoint_dir.glob("10.orbax-checkpoint-tmp-*/_CHECKPOINT_METADATA"))
+        # The temporary directory of step 10 stays behind (Orbax does not clean it up by default).
+        committed = lambda: sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
+    command = command.replace(" profiler=xplane", "").replace("steps=1000", extra)
+
+    proc = mt(command, faults={"train_sft": {"partial_checkpoint_at_step": 10}}, popen=True, env_extra=env)
+    try:
+        wait_for(step_10, "half-written step 10", proc)
+        with pytest.raises(subprocess.TimeoutExpired):  # it stalls with step 10 half written
+            proc.wait(timeout=2)
+        assert committed() == [1, 5]
+    finally:
+        proc.kill()
+        proc.communicate()
+
+    resumed = mt(command, env_extra=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Restored params from step: 5 in" in resumed.stderr
+    assert steps_logged(resumed.stderr) == list(range(6, 13))
+    assert committed() == [1, 5, 10, 12]

@@ -10,7 +10,8 @@ only (no JAX, no model, no network):
 
 It keeps what the pipeline can observe: the command-line syntax and the keys
 it accepts (unknown keys fail as in MaxText), the directory layouts, how
-Orbax publishes a checkpoint step (a temporary directory renamed into place),
+Orbax publishes a checkpoint step (a temporary directory renamed into place;
+on gs://, through the JSON API at $STORAGE_EMULATOR_HOST, commit_success.txt last),
 the log lines, resuming from the latest checkpoint, and exit codes. File
 contents are small fakes. Tests can inject faults (a crash, a stall, running
 out of data, a failed conversion) and change the time per step; the fault

@@ -10,7 +10,8 @@ silently. All keys are optional:
 
     {
       "seconds_per_step": 0.02,              # time one training step takes
-      "train_sft": {"crash_at_step": 7},     # or "stall_at_step" / "out_of_data_at_step"
+      "train_sft": {"crash_at_step": 7},     # or "stall_at_step" / "out_of_data_at_step" /
+                                             #    "partial_checkpoint_at_step"
       "to_maxtext": {"fail": "message"},
       "to_huggingface": {"fail": "message"}
     }
@@ -23,6 +24,12 @@ For a train_sft fault at step k (only steps this run actually trains count):
   out_of_data_at_step the batch for step k is missing: MaxText's "You may have
                       run out of training data" line, then a normal finish with
                       exit 0 at step k-1 (its final checkpoint is k-1).
+  partial_checkpoint_at_step
+                      step k trains, then its checkpoint is saved only halfway:
+                      every file but what completes it (on gs:// the step's
+                      commit_success.txt; on a local disk the rename of the
+                      temporary directory), and the process stalls as above.
+                      A resumed run must not take step k as complete.
 A converter "fail" raises RuntimeError(message): a traceback and exit 1.
 
 Logging
@@ -44,6 +51,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from maxtext import _gcs as gcs
+
 FAULTS_ENV = "MAXTEXT_STANDIN_FAULTS"
 DEFAULT_FAULTS_PATH = "/run/localcloud/maxtext-faults.json"
 DEFAULT_SECONDS_PER_STEP = 0.02
@@ -63,7 +72,7 @@ def log(message, where="max_logging.py:23", level="I"):
 # ---------------------------------------------------------------- faults
 
 _FAULT_KEYS = {
-    "train_sft": {"crash_at_step", "stall_at_step", "out_of_data_at_step"},
+    "train_sft": {"crash_at_step", "stall_at_step", "out_of_data_at_step", "partial_checkpoint_at_step"},
     "to_maxtext": {"fail"},
     "to_huggingface": {"fail"},
 }
@@ -465,49 +474,91 @@ def parse_absl_flags(argv, bool_flags=()):
 
 # ---------------------------------------------------------------- fake Orbax checkpoints
 
-def _write_pytree_item(directory, info, use_zarr3):
-    """Write the files an Orbax OCDBT PyTree item has, with `info` in _METADATA for the stand-in."""
-    (directory / "ocdbt.process_0" / "d").mkdir(parents=True)
-    (directory / "d").mkdir()
+COMMIT_FILE = "commit_success.txt"
+
+
+def _pytree_item_files(info, use_zarr3):
+    """{relative path: bytes} of an Orbax OCDBT PyTree item, with `info` in _METADATA for the
+    stand-in; _METADATA comes last, as Orbax writes it after the array data."""
     blob = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
-    (directory / "d" / blob).write_bytes(b"maxtext-standin\n")
-    (directory / "ocdbt.process_0" / "d" / blob).write_bytes(b"maxtext-standin\n")
-    (directory / "ocdbt.process_0" / "manifest.ocdbt").write_bytes(b"")
-    (directory / "manifest.ocdbt").write_bytes(b"")
-    (directory / "_sharding").write_text("{}")
     metadata = {"tree_metadata": {}, "use_zarr3": use_zarr3, "store_array_data_equal_to_fill_value": True,
                 "maxtext_standin": info}
-    (directory / "_METADATA").write_text(json.dumps(metadata, indent=1))
+    return {
+        f"d/{blob}": b"maxtext-standin\n",
+        f"ocdbt.process_0/d/{blob}": b"maxtext-standin\n",
+        "ocdbt.process_0/manifest.ocdbt": b"",
+        "manifest.ocdbt": b"",
+        "_sharding": b"{}",
+        "_METADATA": json.dumps(metadata, indent=1).encode(),
+    }
 
 
-def save_step(root, step, items, use_zarr3=True):
-    """Save checkpoint `step` under `root` as Orbax does on a local disk.
-
-    Everything is written into `<step>.orbax-checkpoint-tmp-<ts>` first and the
-    directory is then renamed to `<step>`, so a step directory never exists half written.
-    """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{step}{ORBAX_TMP_SUFFIX}-{time.time_ns() // 1000}"
-    tmp.mkdir()
+def _step_files(items, use_zarr3):
+    files = {}
     for name, info in items.items():
-        _write_pytree_item(tmp / name, info, use_zarr3)
+        files.update({f"{name}/{rel}": data for rel, data in _pytree_item_files(info, use_zarr3).items()})
     now_ns = time.time_ns()
-    (tmp / "_CHECKPOINT_METADATA").write_text(json.dumps({
+    files["_CHECKPOINT_METADATA"] = json.dumps({
         "item_handlers": {name: "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
                           for name in items},
         "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now_ns,
-        "commit_timestamp_nsecs": now_ns, "custom_metadata": {}}))
-    os.rename(tmp, root / str(step))
+        "commit_timestamp_nsecs": now_ns, "custom_metadata": {}}).encode()
+    return files
+
+
+def save_step(root, step, items, use_zarr3=True, commit=True):
+    """Save checkpoint `step` under `root` as Orbax does.
+
+    On a local disk everything is written into `<step>.orbax-checkpoint-tmp-<ts>` first and
+    the directory is then renamed to `<step>`, so a step directory never exists half written.
+    On gs:// (no renames there) the files go straight to `<step>/`; each item gets its
+    commit_success.txt after its files, and `<step>/commit_success.txt` comes last: a step
+    without it is incomplete. `commit=False` stops before that point (the temporary
+    directory is not renamed, or the marker is not written): a save cut short.
+    """
+    files = _step_files(items, use_zarr3)
+    if gcs.is_gcs(root):
+        step_url = gcs.join(root, str(step))
+        for rel, data in files.items():
+            gcs.write(gcs.join(step_url, rel), data)
+            item, _, rest = rel.partition("/")
+            if rest == "_METADATA":
+                gcs.write(gcs.join(step_url, item, COMMIT_FILE), f"Checkpoint commit was successful to "
+                                                                 f"{gcs.join(step_url, item)}")
+        if commit:
+            gcs.write(gcs.join(step_url, COMMIT_FILE), f"Checkpoint commit was successful to {step_url}")
+        return
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{step}{ORBAX_TMP_SUFFIX}-{time.time_ns() // 1000}"
+    for rel, data in files.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(data)
+    if commit:
+        os.rename(tmp, root / str(step))
 
 
 def latest_step(root):
-    """The highest complete step under `root` (temporary directories are not steps), or None."""
+    """The highest complete step under `root`, or None. Temporary directories are not steps,
+    nor on gs:// a step without commit_success.txt."""
+    if gcs.is_gcs(root):
+        steps = [int(name) for name in gcs.list_dirs(root) if name.isdigit()]
+        return next((step for step in sorted(steps, reverse=True)
+                     if gcs.exists(gcs.join(root, str(step), COMMIT_FILE))), None)
     root = Path(root)
     if not root.is_dir():
         return None
     steps = [int(entry.name) for entry in root.iterdir() if entry.name.isdigit() and entry.is_dir()]
     return max(steps, default=None)
+
+
+def write_file(path, data):
+    """Write a whole file, on a local disk or gs://."""
+    if gcs.is_gcs(path):
+        gcs.write(path, data)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
 def read_params(path, config):
@@ -516,13 +567,17 @@ def read_params(path, config):
     Fails the way MaxText does when Orbax finds no checkpoint there, and with a
     shape-mismatch error when the checkpoint was made for other model dimensions.
     """
-    item = Path(path)
-    if ORBAX_TMP_SUFFIX in str(item) or not (item / "_METADATA").is_file():
+    if gcs.is_gcs(path):
+        metadata = gcs.read(gcs.join(path, "_METADATA"))
+    else:
+        item = Path(path) / "_METADATA"
+        metadata = item.read_bytes() if ORBAX_TMP_SUFFIX not in str(item) and item.is_file() else None
+    if metadata is None:
         log(f"ERROR: No valid Orbax checkpoint found at '{path}'. Please check your load_parameters_path, the "
             "path may be missing, empty, or point to a parent directory rather than the checkpoint step directory ",
             where="model_creation_utils.py:804")
         raise ValueError(f"No valid Orbax checkpoint found at '{path}'. Please check your load_parameters_path.")
-    info = json.loads((item / "_METADATA").read_text()).get("maxtext_standin", {})
+    info = json.loads(metadata).get("maxtext_standin", {})
     wanted = {"model_name": config.model_name, "scan_layers": config.scan_layers, **config.model_dims}
     for key, value in wanted.items():
         if key in info and info[key] != value:
@@ -542,8 +597,7 @@ def record_hf_token(config, output_directory):
     """Return the Hugging Face token, writing its sha256 (never the token) next to the output."""
     token = config.hf_access_token
     if token:
-        Path(output_directory).mkdir(parents=True, exist_ok=True)
-        (Path(output_directory) / TOKEN_HASH_FILE).write_text(hashlib.sha256(token.encode()).hexdigest() + "\n")
+        write_file(os.path.join(output_directory, TOKEN_HASH_FILE), hashlib.sha256(token.encode()).hexdigest() + "\n")
     return token
 
 

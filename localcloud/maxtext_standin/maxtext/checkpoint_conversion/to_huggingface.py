@@ -1,8 +1,8 @@
 """Stand-in for `python3 -m maxtext.checkpoint_conversion.to_huggingface` (see maxtext/__init__.py).
 
 Reads the stand-in checkpoint at load_parameters_path (a complete step's
-model_params) and writes small fake Hugging Face files to
-BASE_OUTPUT_DIRECTORY: config.json, model.safetensors (a valid safetensors
+model_params, in a local folder or on gs://) and writes small fake Hugging Face
+files to BASE_OUTPUT_DIRECTORY (a local folder, as in MaxText): config.json, model.safetensors (a valid safetensors
 file whose metadata names the source checkpoint), tokenizer.json,
 tokenizer_config.json and chat_template.jinja. Like MaxText it refuses model
 dimensions that differ from the Hugging Face model's unless

@@ -1,7 +1,7 @@
 """Stand-in for `python3 -m maxtext.checkpoint_conversion.to_maxtext` (see maxtext/__init__.py).
 
 Pretends to convert a Hugging Face checkpoint and writes a small fake Orbax
-checkpoint at BASE_OUTPUT_DIRECTORY/0/items. Like MaxText it reads the
+checkpoint at BASE_OUTPUT_DIRECTORY/0/items (a local folder or gs://). Like MaxText it reads the
 converter's own --flags with argparse and hands everything else to the config
 parser. Without --hf_model_path pointing at a local folder it needs a Hugging
 Face token (hf_access_token=... or env HF_TOKEN), as the gated Gemma repos do;

@@ -3,7 +3,8 @@
 Imitates MaxText 0.2.2's SFT run, whose loop is Tunix's PeftTrainer:
 - Steps count from 1: "completed step: N" and checkpoint directory N both mean
   "after N updates". Output goes to BASE_OUTPUT_DIRECTORY/RUN_NAME/
-  {checkpoints/N/{model_params,optimizer_state}, tensorboard/}.
+  {checkpoints/N/{model_params,optimizer_state}, tensorboard/}; BASE_OUTPUT_DIRECTORY
+  and load_parameters_path may be gs:// URLs (Orbax's GCS layout, see _standin.save_step).
 - Orbax saves step 1 of a fresh run (no checkpoint yet), every
   checkpoint_period-th step, and the last step when the loop ends.
 - Tunix logs each step's metrics one step late (it overlaps that I/O with the
@@ -19,10 +20,10 @@ maxtext/_standin.py.
 """
 
 import glob
+import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 from maxtext import _standin as s
 
@@ -57,11 +58,12 @@ def main(argv):
         s.read_params(config.load_parameters_path, config)
     _check_train_files(config)
 
-    checkpoint_root = Path(config.checkpoint_dir)
-    tensorboard_dir = Path(config.tensorboard_dir)
+    # Local folders or gs:// URLs (strings: pathlib would turn "gs://" into "gs:/").
+    checkpoint_root = config.checkpoint_dir
+    tensorboard_dir = config.tensorboard_dir
     restored = s.latest_step(checkpoint_root)
     if restored is not None:
-        s.read_params(checkpoint_root / str(restored) / "model_params", config)
+        s.read_params(os.path.join(checkpoint_root, str(restored), "model_params"), config)
         s.log(f"Restored params from step: {restored} in 0.010 seconds", "checkpoint_manager.py:235")
     train_steps = restored or 0
 
@@ -77,8 +79,7 @@ def main(argv):
         skip, count = config.skip_first_n_steps_for_profiler, config.profiler_steps
         hidden_steps = {skip, skip + 1, skip + count, skip + count + 1}
 
-    tensorboard_dir.mkdir(parents=True, exist_ok=True)
-    (tensorboard_dir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}").touch()
+    s.write_file(os.path.join(tensorboard_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"), b"")
 
     # One device assumed: per-device and global figures are the same.
     tokens = config.per_device_batch_size * config.max_target_length
@@ -104,11 +105,11 @@ def main(argv):
         s.log(f"eval metrics after step: {train_steps}, loss={loss:.3f}, perplexity={2.718281828 ** loss:.3f}, "
               f"total_weights={int(tokens)}", "metric_logger.py:216")
 
-    def save(step):
+    def save(step, commit=True):
         s.save_step(checkpoint_root, step, {
             "model_params": s.params_info(config, run_name=config.run_name, step=step),
             "optimizer_state": {"step": step},
-        }, use_zarr3=config.checkpoint_storage_use_zarr3)
+        }, use_zarr3=config.checkpoint_storage_use_zarr3, commit=commit)
 
     if config.eval_interval > 0:
         run_eval()
@@ -132,6 +133,10 @@ def main(argv):
         # The step's device work: JAX dispatched it asynchronously, so it overlaps the log above.
         time.sleep(seconds_per_step * config.gradient_accumulation_steps)
         _run_train_step(step, fault)
+        if fault.get("partial_checkpoint_at_step") == step:
+            save(step, commit=False)  # the save is cut short: no commit, then a hang
+            while True:
+                time.sleep(3600)
         if saved is None or (step % config.checkpoint_period == 0 and step > saved):
             save(step)
             saved = step
@@ -139,9 +144,8 @@ def main(argv):
             run_eval()
         if profile_window and step == profile_window[1]:
             s.log(f"Stopping JAX profiler at step {step}.", "profiler.py:113")
-            trace_dir = tensorboard_dir / "plugins" / "profile" / time.strftime("%Y_%m_%d_%H_%M_%S")
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            (trace_dir / f"{socket.gethostname()}.xplane.pb").write_bytes(b"maxtext-standin xplane\n")
+            trace_dir = os.path.join(tensorboard_dir, "plugins", "profile", time.strftime("%Y_%m_%d_%H_%M_%S"))
+            s.write_file(os.path.join(trace_dir, f"{socket.gethostname()}.xplane.pb"), b"maxtext-standin xplane\n")
 
     s.log(f"Train loop finished in: {time.perf_counter() - loop_start:.4f} seconds", "peft_trainer.py:749")
     # PeftTrainer.close(): write the buffered metrics, then force-save the last step.
