@@ -1,16 +1,18 @@
-"""Launcher for the local cloud's emulators (Cloud Storage, Compute Engine), for tests and
-local runs.
+"""Launcher for the local cloud's emulators (Cloud Storage, Compute Engine, the Hugging Face
+Hub), for tests and local runs.
 
     with LocalCloud(state_dir, images={"PROJECT/FAMILY": Path("/image/dir")}) as cloud:
         cloud.compute_endpoint   # "http://127.0.0.1:PORT/compute/v1/"
         cloud.storage_endpoint   # "http://127.0.0.1:PORT2/storage/v1/"
         cloud.create_bucket("my-bucket")
+        cloud.hub.endpoint       # "http://127.0.0.1:PORT3" (HF_ENDPOINT's format)
+        cloud.hub.add_user("team", token, role="write")
 
 Each emulator runs as `python -m localcloud.<service>` in its own session; they are stopped
 by `stop()`, at interpreter exit, or by themselves when this process dies. One cloud per
 state dir: starting on a dir whose previous emulators crashed (or still run) takes them over
-and reaps the old compute emulator's VMs. Storage keeps its buckets in STATE_DIR/storage/
-across restarts.
+and reaps the old compute emulator's VMs. Storage keeps its buckets in STATE_DIR/storage/,
+the Hub its repos in STATE_DIR/hub/, across restarts.
 
 The VMs reach the storage emulator the way a real TPU VM reaches Cloud Storage with its
 service account: every SSH session on a VM has `vm_env` in its environment (sshd SetEnv), so
@@ -23,22 +25,19 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from localcloud.compute.vm import reap_stale
+from localcloud.hub.launcher import HubEmulator
+from localcloud.service import Service, ServiceError as LocalCloudError
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
-class LocalCloudError(RuntimeError):
-    pass
 
 
 def storage_env(storage_url: str) -> dict[str, str]:
@@ -62,63 +61,6 @@ def storage_env(storage_url: str) -> dict[str, str]:
     }
 
 
-class _Service:
-    """One emulator process: own session, ready file, log file; stopped by process group."""
-
-    def __init__(self, label: str, module: str, ready_file: Path, log_file: Path) -> None:
-        self.label, self.module, self.ready_file, self.log_file = label, module, ready_file, log_file
-        self.proc: subprocess.Popen | None = None
-        self.port: int | None = None
-
-    def start(self, python: str, args: list[str], timeout: float) -> None:
-        self.ready_file.unlink(missing_ok=True)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-        with open(self.log_file, "ab") as log_file:
-            proc = subprocess.Popen(
-                [python, "-m", self.module, *args, "--ready-file", str(self.ready_file), "--parent-pid", str(os.getpid())],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                env=env,
-                cwd=_PACKAGE_ROOT,
-                # Own process group: stop() signals the emulator alone, and a Ctrl-C in
-                # the terminal reaches us, whose stop() then shuts it down in order.
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.ready_file.exists():
-                ready = json.loads(self.ready_file.read_text())
-                if ready.get("pid") == proc.pid:
-                    break
-            if proc.poll() is not None:
-                raise LocalCloudError(f"{self.label} emulator exited with {proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                _terminate(proc, 5.0)
-                raise LocalCloudError(f"{self.label} emulator not ready after {timeout}s: {self.log_tail()}")
-            time.sleep(0.02)
-        self.proc, self.port = proc, ready["port"]
-
-    def stop(self, timeout: float) -> subprocess.Popen | None:
-        """Stop it (idempotent); returns the process if it had to be killed or failed."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        forced = _terminate(proc, timeout)
-        return proc if forced or proc.returncode != 0 else None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, size: int = 3000) -> str:
-        try:
-            return self.log_file.read_text(errors="replace")[-size:]
-        except FileNotFoundError:
-            return ""
-
-
 class LocalCloud:
     def __init__(
         self,
@@ -140,18 +82,21 @@ class LocalCloud:
         self.python = python
         self.extra_vm_env = dict(vm_env or {})
         d = self.state_dir
-        self._storage = _Service("storage", "localcloud.storage", d / "storage-ready.json", d / "storage-emulator.log")
-        self._compute = _Service("compute", "localcloud.compute", d / "compute-ready.json", d / "compute-emulator.log")
+        self._storage = Service("storage", "localcloud.storage", d / "storage-ready.json", d / "storage-emulator.log")
+        self._compute = Service("compute", "localcloud.compute", d / "compute-ready.json", d / "compute-emulator.log")
+        # The Hugging Face Hub: huggingface_hub reaches it through HF_ENDPOINT or an endpoint argument.
+        self.hub = HubEmulator(d / "hub", startup_timeout=startup_timeout, stop_timeout=stop_timeout, python=python)
         self._lock = threading.Lock()
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> LocalCloud:
         with self._lock:
-            if self._compute.running and self._storage.running:
+            if self.running:
                 return self
             self.state_dir.mkdir(parents=True, exist_ok=True)
             try:
+                self.hub.start()
                 if not self._storage.running:
                     self._storage.start(self.python, ["--state-dir", str(self.state_dir / "storage"), "--port", "0"],
                                         self.startup_timeout)
@@ -190,6 +135,7 @@ class LocalCloud:
             # them from their records (only its own, never a newer emulator's).
             reap_stale(self.state_dir, only_owner=failed.pid)
         self._storage.stop(self.stop_timeout)
+        self.hub.stop()
 
     def __enter__(self) -> LocalCloud:
         return self.start()
@@ -199,7 +145,7 @@ class LocalCloud:
 
     @property
     def running(self) -> bool:
-        return self._compute.running and self._storage.running
+        return self._compute.running and self._storage.running and self.hub.running
 
     # The compute emulator's port, pid and process (what tests of the compute API look at).
     @property
@@ -332,24 +278,3 @@ class LocalCloud:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             raise LocalCloudError(f"{method} /_localcloud/{what}: {exc.code} {exc.read().decode(errors='replace')}") from None
-
-
-def _terminate(proc: subprocess.Popen, timeout: float) -> bool:
-    """SIGTERM the process group, wait, SIGKILL if needed. True if it had to be killed."""
-    if proc.poll() is not None:
-        return False
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=timeout)
-        return False
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    return True

@@ -1,23 +1,21 @@
 """Entry point: `python -m localcloud.hub --state-dir DIR [--port 0] [--ready-file F] [--parent-pid P]`.
 
-Repos, objects and users persist under STATE_DIR/hub/; one server per state dir (a second
-one refuses to start). When listening, the ready file (default STATE_DIR/hub-ready.json)
+Repos, objects and users persist under STATE_DIR/hub/; startup takes over the state dir (a
+still-running server of the same dir is killed: two would lose each other's commits). When listening, the ready file (default STATE_DIR/hub-ready.json)
 gets {"port", "pid", "endpoint"}. SIGTERM or SIGINT exits 0; so does the death of --parent-pid.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import ipaddress
-import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
 
+from .._daemon import stop_event, take_over, write_ready
 from .server import make_server
 
 log = logging.getLogger("localcloud.hub")
@@ -43,26 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     ready_file = args.ready_file or state_dir / "hub-ready.json"
     ready_file.unlink(missing_ok=True)
-    # Two servers writing the same repos would lose commits: hold a lock for our lifetime.
-    lock_fd = os.open(state_dir / "hub-server.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SystemExit(f"state dir {state_dir} is in use by another hub server") from None
+    lock_fd = take_over(state_dir / "hub-server.lock", "localcloud.hub")
 
     server = make_server(state_dir, args.host, args.port)
     port = server.server_address[1]
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True).start()
+    stop = stop_event(args.parent_pid)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
 
     ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}"}
-    tmp = ready_file.with_name(ready_file.name + ".tmp")
-    tmp.write_text(json.dumps(ready))
-    os.replace(tmp, ready_file)
+    write_ready(ready_file, ready)
     log.info("hub emulator listening on %s (state dir %s)", ready["endpoint"], state_dir)
 
     while not stop.wait(0.5):
@@ -73,17 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     ready_file.unlink(missing_ok=True)
     os.close(lock_fd)
     return 0
-
-
-def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
-    # Our parent's death reparents us: polling getppid needs no guard against pid reuse.
-    # (If the given pid is not our parent, fall back to checking that it exists.)
-    is_parent = os.getppid() == parent_pid
-    while not stop.wait(0.5):
-        gone = os.getppid() != parent_pid if is_parent else not Path(f"/proc/{parent_pid}").exists()
-        if gone:
-            log.warning("parent %d is gone", parent_pid)
-            stop.set()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import base64
 import re
 from pathlib import Path
 
-from .server import CONTROL_PREFIX, HubApi, HubError, Reply, Request, RequestLog
+from .._daemon import RequestLog
+from .server import CONTROL_PREFIX, HubApi, HubError, Reply, Request
 from .store import (
     DEFAULT_BRANCH, DEFAULT_GITATTRIBUTES, REPO_TYPES, FileEntry, check_repo_path, goes_to_lfs, lfs_patterns,
     normalize_date,

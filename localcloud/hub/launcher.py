@@ -6,7 +6,7 @@
         HfApi(endpoint=hub.endpoint, token="hf_alice_write").model_info("google/gemma")
 
 The server runs as `python -m localcloud.hub` in its own session; it is stopped by `stop()`,
-at interpreter exit, or by itself when this process dies.
+at interpreter exit, or by itself when this process dies (see `localcloud.service`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ from __future__ import annotations
 import atexit
 import base64
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+from localcloud.service import Service, ServiceError
 
 
-class HubEmulatorError(RuntimeError):
+class HubEmulatorError(ServiceError):
     pass
 
 
@@ -38,57 +34,26 @@ class HubEmulator:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.python = python
-        self.port: int | None = None
-        self._proc: subprocess.Popen | None = None
+        self._service = Service("hub", "localcloud.hub", self.state_dir / "hub-ready.json",
+                                self.state_dir / "hub-server.log")
         self._lock = threading.Lock()
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> HubEmulator:
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                return self
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            ready_file = self.state_dir / "hub-ready.json"
-            ready_file.unlink(missing_ok=True)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-            with open(self.state_dir / "hub-server.log", "ab") as log_file:
-                proc = subprocess.Popen(
-                    [self.python, "-m", "localcloud.hub", "--state-dir", str(self.state_dir), "--port", "0",
-                     "--ready-file", str(ready_file), "--parent-pid", str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env, cwd=_PACKAGE_ROOT,
-                    # Own process group: stop() signals the server alone, and a Ctrl-C in the
-                    # terminal reaches us, whose stop() then shuts it down.
-                    start_new_session=True,
-                )
-            self.port = self._wait_ready(proc, ready_file)["port"]
-            self._proc = proc
-            atexit.register(self.stop)
+            if not self._service.running:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                self._service.start(self.python, ["--state-dir", str(self.state_dir), "--port", "0"],
+                                    self.startup_timeout)
+                atexit.register(self.stop)
             return self
-
-    def _wait_ready(self, proc: subprocess.Popen, ready_file: Path) -> dict:
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            if ready_file.exists():
-                ready = json.loads(ready_file.read_text())
-                if ready.get("pid") == proc.pid:
-                    return ready
-            if proc.poll() is not None:
-                raise HubEmulatorError(f"hub server exited with {proc.returncode}: {self._log_tail()}")
-            if time.monotonic() > deadline:
-                _terminate(proc, 5.0)
-                raise HubEmulatorError(f"hub server not ready after {self.startup_timeout}s: {self._log_tail()}")
-            time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL if it lingers); idempotent."""
         with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None:
-                return
             atexit.unregister(self.stop)
-            _terminate(proc, self.stop_timeout)
+            self._service.stop(self.stop_timeout)
 
     def __enter__(self) -> HubEmulator:
         return self.start()
@@ -98,7 +63,11 @@ class HubEmulator:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._service.running
+
+    @property
+    def port(self) -> int | None:
+        return self._service.port
 
     @property
     def endpoint(self) -> str:
@@ -164,37 +133,9 @@ class HubEmulator:
         except urllib.error.HTTPError as exc:
             raise HubEmulatorError(f"{method} /_localcloud/{what}: {exc.code} {exc.read().decode(errors='replace')}") from None
 
-    def _log_tail(self, size: int = 3000) -> str:
-        try:
-            return (self.state_dir / "hub-server.log").read_text(errors="replace")[-size:]
-        except FileNotFoundError:
-            return ""
-
-
 def _encode_file(value: str | bytes | Path) -> object:
     if isinstance(value, Path):
         return {"local_path": str(value.resolve())}
     if isinstance(value, bytes):
         return {"base64": base64.b64encode(value).decode()}
     return {"text": value}
-
-
-def _terminate(proc: subprocess.Popen, timeout: float) -> bool:
-    """SIGTERM the process group, wait, SIGKILL if needed. True if it had to be killed."""
-    if proc.poll() is not None:
-        return False
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=timeout)
-        return False
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    return True

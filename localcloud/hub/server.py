@@ -19,7 +19,6 @@ import json
 import logging
 import re
 import secrets
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit
+
+from .._daemon import RequestLog
 
 from .store import (
     DEFAULT_BRANCH, DEFAULT_GITATTRIBUTES, LFS_MIN_SIZE, REPO_TYPES, FileEntry, Repo, Store,
@@ -179,27 +180,6 @@ class Request:
     def drain(self) -> None:
         for _ in self.chunks():
             pass
-
-
-class RequestLog:
-    """One JSON line per Hub API request (never bodies, never credentials)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-
-    def append(self, entry: dict) -> None:
-        with self.lock, open(self.path, "a") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
-
-    def read(self) -> list[dict]:
-        with self.lock:
-            text = self.path.read_text() if self.path.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    def clear(self) -> None:
-        with self.lock:
-            self.path.write_text("")
 
 
 def card_data(readme: bytes | None) -> dict | None:

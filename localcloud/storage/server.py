@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from .._daemon import RequestLog
-from .store import GcsError, Store, check_preconditions, invalid, not_found_object, now_rfc3339
+from .store import GcsError, Store, check_preconditions, invalid, now_rfc3339
 
 log = logging.getLogger(__name__)
 

@@ -395,7 +395,7 @@ def test_state_survives_a_restart_and_stop_ends_the_server(tmp_path):
     with HubEmulator(state) as first:
         first.add_user("alice", ALICE)
         api(first).create_repo("alice/toy-model")
-        server = first._proc
+        server = first._service.proc
     assert server.returncode == 0  # SIGTERM is a clean exit
     with HubEmulator(state) as second:
         assert api(second).list_repo_files("alice/toy-model") == [".gitattributes"]

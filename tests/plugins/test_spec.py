@@ -170,7 +170,7 @@ def test_defaults_are_the_tutorials():
 def test_with_an_output_location_maxtext_writes_its_run_folder_there():
     spec = make_spec(output_location="gs://team-bucket/sft/")
     assert spec.durable and spec.output_location == "gs://team-bucket/sft"
-    assert f"base_output_directory=gs://team-bucket/sft/runs/" in spec.train_args()
+    assert "base_output_directory=gs://team-bucket/sft/runs/" in spec.train_args()
     assert spec.checkpoints_dir == f"gs://team-bucket/sft/runs/{spec.run_name}/checkpoints"
     assert spec.hf_export_uri == f"gs://team-bucket/sft/runs/{spec.run_name}/hf-export"
     assert spec.run_record_uri == f"gs://team-bucket/sft/runs/{spec.run_name}/run-record.json"
