@@ -1,9 +1,10 @@
 """Airflow connections that point the pipeline at the local cloud.
 
-These are the only things that differ from a Google Cloud deployment: the Compute API endpoint
-(the connection extra `compute_api_endpoint`), anonymous credentials, the VM login key, and a
-stand-in Hugging Face token. They are given as AIRFLOW_CONN_* environment variables, the way a
-deployment gives them.
+These are the only things that differ from a Google Cloud deployment: the Compute and Storage
+API endpoints (the connection extras `compute_api_endpoint`, `storage_api_endpoint`), anonymous
+credentials, the VM login key, a local Hugging Face token and the local Hub's endpoint (extra
+`endpoint`). They are given as AIRFLOW_CONN_* environment variables, the way a deployment
+gives them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 LOCAL_PROJECT = "local-project"
 VM_USER = "maxtext"
+LOCAL_BUCKET = "local-models"
+LOCAL_HUB_USER = "local-team"  # owner of the test token on the local Hub, and of the repos runs publish
 
 # Run conf for the local cloud: only values that have no tutorial default, plus fast polling.
 LOCAL_RUN_CONF = {
@@ -27,6 +30,20 @@ LOCAL_RUN_CONF = {
     "poke_interval_seconds": 10,
     "ssh_connect_timeout_seconds": 10,
 }
+
+
+# Outputs in the local cloud's bucket, published to its Hub (what `make run` passes on top).
+LOCAL_OUTPUTS_CONF = {
+    "output_location": f"gs://{LOCAL_BUCKET}/maxtext-sft",
+    "hub_repo_id": f"{LOCAL_HUB_USER}/gemma3-4b-sft",
+}
+
+
+def prepare_local_cloud(cloud, hf_token: str) -> None:
+    """What a team has before its first run: the output bucket, and a Hub account whose write token
+    the Hugging Face connection holds."""
+    cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
+    cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")
 
 
 def generate_ssh_private_key() -> str:
@@ -41,10 +58,16 @@ def new_hf_token() -> str:
     return "hf_local_" + secrets.token_hex(16)
 
 
-def airflow_connection_env(compute_endpoint: str, ssh_private_key: str, hf_token: str) -> dict[str, str]:
+def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[str, str]:
+    """Environment for Airflow's processes: the three connections, pointed at `cloud` (a LocalCloud)."""
     google = {
         "conn_type": "google_cloud_platform",
-        "extra": {"project": LOCAL_PROJECT, "is_anonymous": True, "compute_api_endpoint": compute_endpoint},
+        "extra": {
+            "project": LOCAL_PROJECT,
+            "is_anonymous": True,
+            "compute_api_endpoint": cloud.compute_endpoint,
+            "storage_api_endpoint": cloud.storage_endpoint,
+        },
     }
     vm_ssh = {
         "conn_type": "ssh",
@@ -52,11 +75,14 @@ def airflow_connection_env(compute_endpoint: str, ssh_private_key: str, hf_token
         # Host keys are not checked yet: the VMs publish theirs as guest attributes (a later issue).
         "extra": {"private_key": ssh_private_key, "no_host_key_check": True},
     }
-    hugging_face = {"conn_type": "generic", "password": hf_token}
+    hugging_face = {"conn_type": "generic", "password": hf_token, "extra": {"endpoint": cloud.hub.endpoint}}
     return {
         "AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT": json.dumps(google),
         "AIRFLOW_CONN_MAXTEXT_SFT_VM_SSH": json.dumps(vm_ssh),
         "AIRFLOW_CONN_HUGGINGFACE_DEFAULT": json.dumps(hugging_face),
+        # The local Hub stores LFS files but has no Xet storage: huggingface_hub then uploads the
+        # classic way (a documented huggingface_hub setting; read when it is imported).
+        "HF_HUB_DISABLE_XET": "1",
     }
 
 # The real MaxText image plays a custom boot image with MaxText preinstalled: runs select it with

@@ -29,9 +29,11 @@ from localcloud.cloud import LocalCloud
 from localcloud.connections import (
     LOCAL_RUN_CONF,
     REAL_IMAGE_KEY,
+    LOCAL_OUTPUTS_CONF,
     airflow_connection_env,
     generate_ssh_private_key,
     new_hf_token,
+    prepare_local_cloud,
     real_maxtext_run_conf,
 )
 from localcloud.images import TUTORIAL_IMAGE, build_fast_image, build_real_image
@@ -224,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         cloud.start()
         if args.maxtext == "real":
             cloud.add_image(REAL_IMAGE_KEY, real_image)
-        env = {**os.environ, **airflow_connection_env(cloud.compute_endpoint, generate_ssh_private_key(), new_hf_token())}
+        hf_token = new_hf_token()
+        prepare_local_cloud(cloud, hf_token)
+        env = {**os.environ, **airflow_connection_env(cloud, generate_ssh_private_key(), hf_token)}
         print(f"Compute Engine emulator: {cloud.compute_endpoint}", flush=True)
+        print(f"Cloud Storage emulator: {cloud.storage_endpoint}; Hugging Face Hub: {cloud.hub.endpoint}", flush=True)
         airflow = Airflow(STATE / "airflow-home", env)
         print("Starting airflow standalone ...", flush=True)
         airflow.start()

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from localcloud.cloud import LocalCloud
-from localcloud.connections import airflow_connection_env, generate_ssh_private_key, new_hf_token
+from localcloud.connections import (
+    airflow_connection_env,
+    generate_ssh_private_key,
+    new_hf_token,
+    prepare_local_cloud,
+)
 from localcloud.images import TUTORIAL_IMAGE, build_fast_image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +34,9 @@ os.environ.update(
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         # Retries in seconds, not the production half minute.
         "AIRFLOW__MAXTEXT_SFT__RETRY_DELAY_SECONDS": "1",
+        # The local Hub has no Xet storage (see localcloud.connections); huggingface_hub reads this
+        # when first imported, so it is set before anything imports it.
+        "HF_HUB_DISABLE_XET": "1",
     }
 )
 
@@ -64,7 +72,8 @@ def hf_token() -> str:
 
 @pytest.fixture(scope="session")
 def pipeline_connections(local_cloud, hf_token):
-    env = airflow_connection_env(local_cloud.compute_endpoint, generate_ssh_private_key(), hf_token)
+    prepare_local_cloud(local_cloud, hf_token)
+    env = airflow_connection_env(local_cloud, generate_ssh_private_key(), hf_token)
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     yield env

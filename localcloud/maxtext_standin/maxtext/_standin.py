@@ -11,7 +11,9 @@ silently. All keys are optional:
     {
       "seconds_per_step": 0.02,              # time one training step takes
       "train_sft": {"crash_at_step": 7},     # or "stall_at_step" / "out_of_data_at_step" /
-                                             #    "partial_checkpoint_at_step"
+                                             #    "partial_checkpoint_at_step" /
+                                             #    "partial_checkpoint_exit_at_step" /
+                                             #    "loss_nan_from_step"
       "to_maxtext": {"fail": "message"},
       "to_huggingface": {"fail": "message"}
     }
@@ -30,6 +32,11 @@ For a train_sft fault at step k (only steps this run actually trains count):
                       commit_success.txt; on a local disk the rename of the
                       temporary directory), and the process stalls as above.
                       A resumed run must not take step k as complete.
+  partial_checkpoint_exit_at_step
+                      the same half-saved step k, but the process then exits 0
+                      (a save that failed without an error reaching the loop).
+  loss_nan_from_step  the loss of step k and later is logged as nan (a diverged
+                      run); training otherwise finishes normally.
 A converter "fail" raises RuntimeError(message): a traceback and exit 1.
 
 Logging
@@ -72,7 +79,14 @@ def log(message, where="max_logging.py:23", level="I"):
 # ---------------------------------------------------------------- faults
 
 _FAULT_KEYS = {
-    "train_sft": {"crash_at_step", "stall_at_step", "out_of_data_at_step", "partial_checkpoint_at_step"},
+    "train_sft": {
+        "crash_at_step",
+        "stall_at_step",
+        "out_of_data_at_step",
+        "partial_checkpoint_at_step",
+        "partial_checkpoint_exit_at_step",
+        "loss_nan_from_step",
+    },
     "to_maxtext": {"fail"},
     "to_huggingface": {"fail"},
 }

@@ -96,7 +96,10 @@ def main(argv):
             parts = [f"completed step: {step}", f"seconds: {seconds:.3f}",
                      f"TFLOP/s/device: {tflops / seconds:.3f}", f"Tokens/s/device: {tokens / seconds:.3f}"]
         total_weights = int(tokens * (0.8 + 0.1 * (step % 3)))
-        parts += [f"total_weights: {total_weights}", f"loss: {s.fake_loss(step, config.run_name):.3f}",
+        loss = s.fake_loss(step, config.run_name)
+        if step >= fault.get("loss_nan_from_step", step + 1):
+            loss = float("nan")
+        parts += [f"total_weights: {total_weights}", f"loss: {loss:.3f}",
                   "lm_loss: 0.000", "perplexity: 0.000"]  # SFT's hooks do not report these two
         s.log(", ".join(parts), "metric_logger.py:196")
 
@@ -137,6 +140,11 @@ def main(argv):
             save(step, commit=False)  # the save is cut short: no commit, then a hang
             while True:
                 time.sleep(3600)
+        if fault.get("partial_checkpoint_exit_at_step") == step:
+            save(step, commit=False)  # the save is cut short, and the process still exits 0
+            log_step(step)
+            s.log(f"Train loop finished in: {time.perf_counter() - loop_start:.4f} seconds", "peft_trainer.py:749")
+            return
         if saved is None or (step % config.checkpoint_period == 0 and step > saved):
             save(step)
             saved = step

@@ -1,0 +1,146 @@
+"""Outputs leave the VM: checkpoints and the export in storage, the model published to the Hub.
+
+Whole DAG runs through `dag.test()` against the local cloud (Compute, GCS and Hub emulators) with
+the fast MaxText stand-in.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime
+
+import pytest
+import yaml
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from huggingface_hub import HfApi
+
+from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
+from tests.dags.conftest import parse_pipeline_dag
+
+pytestmark = pytest.mark.e2e
+
+BUCKET = LOCAL_BUCKET
+HUB_REPO = f"{LOCAL_HUB_USER}/gemma-sft"
+
+
+@pytest.fixture(scope="module")
+def bucket(local_cloud):
+    local_cloud.create_bucket(BUCKET, exist_ok=True)
+    client = storage.Client(
+        project="local-project",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": local_cloud.storage_endpoint.removesuffix("/storage/v1/")},
+    )
+    return client.bucket(BUCKET)
+
+
+@pytest.fixture(scope="module")
+def hub(local_cloud, hf_token):
+    return HfApi(endpoint=local_cloud.hub.endpoint, token=hf_token)
+
+
+def names(bucket, prefix: str) -> set[str]:
+    return {blob.name[len(prefix) :] for blob in bucket.list_blobs(prefix=prefix)}
+
+
+@pytest.fixture(scope="module")
+def durable_run(run_pipeline, local_cloud, bucket):
+    conf = {"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 12}
+    run = run_pipeline(conf)
+    return run, local_cloud.requests()
+
+
+def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucket, local_cloud):
+    run, _ = durable_run
+    assert run.state == "success", run.task_states
+    assert local_cloud.vms() == []
+    spec = run.xcoms["plan_run.spec"]
+    run_prefix = f"sft/runs/{spec['run_name']}/"
+    stored = names(bucket, run_prefix)
+    assert {"checkpoints/12/commit_success.txt", "checkpoints/1/commit_success.txt"} <= stored
+    assert {"hf-export/config.json", "hf-export/model.safetensors", "hf-export/README.md", "run-record.json"} <= stored
+    record = json.loads(bucket.blob(run_prefix + "run-record.json").download_as_bytes())
+    assert record["checkpoints_durable"] is True
+    assert record["checkpoints"] == f"gs://{BUCKET}/{run_prefix}checkpoints"
+    assert record["hf_export"] == f"gs://{BUCKET}/{run_prefix}hf-export"
+    assert record["base_checkpoint"].startswith(f"gs://{BUCKET}/sft/base-checkpoints/gemma3-4b/")
+    assert record == run.xcoms["collect_outputs.return_value"]
+    card = bucket.blob(run_prefix + "hf-export/README.md").download_as_text()
+    assert "12 steps, final training loss" in card
+
+
+def test_the_vm_was_deleted_after_the_upload_finished(durable_run, bucket):
+    run, requests = durable_run
+    spec = run.xcoms["plan_run.spec"]
+    export = list(bucket.list_blobs(prefix=f"sft/runs/{spec['run_name']}/hf-export/"))
+    last_upload = max(blob.updated for blob in export if blob.name.endswith("model.safetensors"))
+    delete = next(r for r in requests if r["method"] == "DELETE" and "/instances/" in r["path"])
+    assert last_upload < datetime.fromisoformat(delete["time"].replace("Z", "+00:00"))
+
+
+def test_the_hub_repo_has_one_commit_with_the_export_and_the_card(durable_run, hub):
+    run, _ = durable_run
+    commits = hub.list_repo_commits(HUB_REPO)
+    ours = [c for c in commits if run.run_id in c.title]
+    assert len(ours) == 1 and commits[0].commit_id == ours[0].commit_id
+    assert run.xcoms["publish_to_hub.return_value"]["commit"] == ours[0].commit_id
+    files = set(hub.list_repo_files(HUB_REPO))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= files
+    card = hub.hf_hub_download(HUB_REPO, "README.md")
+    metadata = yaml.safe_load(open(card).read().split("---\n")[1])
+    assert metadata["base_model"] == "google/gemma-3-4b-it"
+    assert metadata["license"] == "gemma"
+    assert metadata["datasets"] == ["HuggingFaceH4/ultrachat_200k"]
+    assert hub.model_info(HUB_REPO).private is True
+
+
+def test_running_the_publish_task_again_adds_no_commit(durable_run, hub):
+    run, _ = durable_run
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    task = copy.copy(parse_pipeline_dag().get_task("publish_to_hub"))
+    task.spec, task.record = run.xcoms["plan_run.spec"], run.xcoms["collect_outputs.return_value"]
+    result = task.execute(context={})
+    assert result["commit"] == before[0]
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
+
+
+def test_a_second_run_of_the_same_base_model_skips_conversion(durable_run, run_pipeline, local_cloud, bucket):
+    first, _ = durable_run
+    attempts_before = names(bucket, "sft/base-checkpoints/")
+    second = run_pipeline({"output_location": f"gs://{BUCKET}/sft", "steps": 3})
+    assert second.state == "success", second.task_states
+    assert second.xcoms["convert_checkpoint.return_value"] == first.xcoms["convert_checkpoint.return_value"]
+    assert "was converted before" in second.log
+    # Skipped, not just fast: the converter never ran on the second VM and nothing was uploaded.
+    shm = local_cloud.deleted_manifest(second.xcoms["plan_run.vm_name"])
+    assert not [entry for entry in shm if "mt-format" in entry["path"]]
+    assert names(bucket, "sft/base-checkpoints/") == attempts_before
+    assert len([n for n in attempts_before if n.endswith("COMPLETE.json")]) == 1
+
+
+def test_a_diverged_run_publishes_nothing_and_fails_saying_why(run_pipeline, hub, local_cloud):
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    run = run_pipeline(
+        {"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 4},
+        maxtext_faults={"train_sft": {"loss_nan_from_step": 3}},
+    )
+    assert run.state == "failed"
+    assert run.task_states["publish_to_hub"] == "failed"
+    assert run.task_states["delete_vm"] == "success"
+    assert f"Not publishing to {HUB_REPO}: the final loss is nan: the training diverged" in run.log
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
+    assert local_cloud.vms() == []
+
+
+def test_a_half_written_final_step_is_not_taken_as_done(run_pipeline, local_cloud):
+    run = run_pipeline(
+        {"output_location": f"gs://{BUCKET}/sft", "steps": 5},
+        maxtext_faults={"train_sft": {"partial_checkpoint_exit_at_step": 5}},
+    )
+    assert run.state == "failed"
+    assert run.task_states["wait_for_final_checkpoint"] == "failed"
+    assert run.task_states["export_to_hf"] == "upstream_failed"
+    assert "step 5 has no commit_success.txt in storage" in run.log
+    assert local_cloud.vms() == []

@@ -1,0 +1,53 @@
+"""StorageEndpointHook: the provider's GCS hook on the connection's endpoint, and committed steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook, split_gcs_uri
+
+BUCKET = "hook-tests"
+
+
+@pytest.fixture(scope="module")
+def hook(local_cloud, pipeline_connections):
+    local_cloud.create_bucket(BUCKET)
+    return StorageEndpointHook(gcp_conn_id="google_cloud_default")
+
+
+def test_the_hook_talks_to_the_connections_endpoint(hook, local_cloud):
+    local_cloud.clear_storage_requests()
+    hook.upload(BUCKET, "probe.txt", data="hello")
+    assert hook.uri_exists(f"gs://{BUCKET}/probe.txt")
+    assert not hook.uri_exists(f"gs://{BUCKET}/absent.txt")
+    assert any(BUCKET in r["path"] for r in local_cloud.storage_requests())
+
+
+def test_only_steps_with_the_commit_marker_count(hook):
+    prefix = "run/checkpoints"
+    for step in (1, 10):
+        hook.upload(BUCKET, f"{prefix}/{step}/model_params/data", data="x")
+        hook.upload(BUCKET, f"{prefix}/{step}/{ORBAX_COMMIT_MARKER}", data="")
+    hook.upload(BUCKET, f"{prefix}/20/model_params/data", data="half written")  # no marker yet
+    hook.upload(BUCKET, f"{prefix}/notastep/{ORBAX_COMMIT_MARKER}", data="")
+    uri = f"gs://{BUCKET}/{prefix}"
+    assert hook.committed_steps(uri) == [1, 10]
+    hook.upload(BUCKET, f"{prefix}/20/{ORBAX_COMMIT_MARKER}", data="")
+    assert hook.committed_steps(uri) == [1, 10, 20]
+
+
+def test_a_bad_endpoint_extra_is_refused(monkeypatch):
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BAD_GCS",
+        '{"conn_type": "google_cloud_platform", "extra": {"storage_api_endpoint": "http://x/other/"}}',
+    )
+    with pytest.raises(ValueError, match="must end with /storage/v1/"):
+        StorageEndpointHook(gcp_conn_id="bad_gcs").get_client_options()
+
+
+@pytest.mark.parametrize(
+    ("uri", "parts"),
+    [("gs://b/a/b/", ("b", "a/b")), ("gs://bucket", ("bucket", "")), ("gs://bucket/x", ("bucket", "x"))],
+)
+def test_split_gcs_uri(uri, parts):
+    assert split_gcs_uri(uri) == parts
