@@ -92,16 +92,26 @@ REAL_IMAGE_FAMILY = "maxtext-0-2-2-toy"
 REAL_IMAGE_KEY = f"{REAL_IMAGE_PROJECT}/{REAL_IMAGE_FAMILY}"
 
 
-def real_maxtext_run_conf(image_dir: Path, *, steps: int = 5, dataset: str = "ultrachat_200k") -> dict:
-    """Run conf for the real MaxText at toy size: only Param values differ from a cloud run."""
+def real_maxtext_run_conf(
+    image_dir: Path, *, steps: int = 5, dataset: str = "ultrachat_200k", outputs: bool = False
+) -> dict:
+    """Run conf for the real MaxText at toy size: only Param values differ from a cloud run.
+
+    With `outputs`, MaxText writes its run folder to the local bucket and the run publishes to the
+    local Hub (LOCAL_OUTPUTS_CONF), without the profiler: jaxlib writes traces to gs:// with its own
+    C++ Cloud Storage client, which only talks to storage.googleapis.com, so it cannot reach the
+    local emulator (on Google Cloud the traces land in the bucket).
+    """
     toy = json.loads((image_dir / "toy" / "toy.json").read_text())
+    train_extra_args = toy["extra_args"]["train"] + (["profiler=''"] if outputs else [])
     return {
+        **(LOCAL_OUTPUTS_CONF if outputs else {}),
         **LOCAL_RUN_CONF,
         "image_project": REAL_IMAGE_PROJECT,
         "image_family": REAL_IMAGE_FAMILY,
         "steps": steps,
         "dataset_name": str(image_dir / "toy" / toy["datasets"][dataset]),
         "convert_extra_args": toy["extra_args"]["convert"],
-        "train_extra_args": toy["extra_args"]["train"],
+        "train_extra_args": train_extra_args,
         "export_extra_args": toy["extra_args"]["export"],
     }

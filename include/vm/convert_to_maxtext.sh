@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
-# Tutorial step 3: convert the Hugging Face checkpoint to MaxText format.
-# Safe to run twice: skips when OUTPUT_DIR holds a finished conversion (marker written last).
+# Tutorial step 3: convert the Hugging Face checkpoint to MaxText format, into OUTPUT_DIR (the
+# converter's base_output_directory: a folder on the VM, or gs://).
+# Safe to run twice: a finished conversion in OUTPUT_DIR is kept (Orbax publishes a checkpoint
+# by renaming it into place on a disk, and by writing commit_success.txt last on GCS).
 #
 # With CACHE_URI (gs://.../base-checkpoints/MODEL/KEY, KEY naming model, revision, MaxText
-# version and conversion flags), converted checkpoints are shared between runs:
+# version and conversion flags; OUTPUT_DIR is then CACHE_URI/attempts/RUN_NAME/), conversions
+# are shared between runs:
 #   - CACHE_URI/COMPLETE.json exists: another run converted this key; use it, convert nothing;
-#   - otherwise convert, upload to CACHE_URI/attempts/RUN_NAME/, then create COMPLETE.json only
-#     if it does not exist yet (a generation-0 precondition): the marker is written last and
-#     only once, so a reader never sees half a conversion and two concurrent runs agree on one.
+#   - otherwise convert into OUTPUT_DIR, then create COMPLETE.json only if it does not exist yet
+#     (a generation-0 precondition): the marker is written last and only once, so a reader
+#     never sees half a conversion and two concurrent runs agree on one.
 # Prints "MAXTEXT_SFT_RESULT base_checkpoint=PATH": what train_sft loads.
-# Usage: convert_to_maxtext.sh WORK_DIR OUTPUT_DIR CACHE_URI|"" RUN_NAME [MAXTEXT_ARG...]
+# Usage: convert_to_maxtext.sh WORK_DIR OUTPUT_DIR CACHE_URI|"" [MAXTEXT_ARG...]
 #        (HF token on stdin or in HF_TOKEN)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
 output_dir=${2%/}
 cache_uri=${3%/}
-run_name=$4
-shift 4
+shift 3
 read_hf_token
-marker="$output_dir/.maxtext-sft-converted"
 
 # The items path recorded in a cache marker; fails when there is no marker.
 published_items() {
-  gcloud storage cat "$1" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin)["items"])'
+  local marker
+  marker=$(gcloud storage cat "$1" 2>/dev/null) || return 1
+  python3 -c 'import json, sys; print(json.loads(sys.argv[1])["items"])' "$marker"
 }
 
 if [ -n "$cache_uri" ] && items=$(published_items "$cache_uri/COMPLETE.json"); then
@@ -32,18 +35,21 @@ if [ -n "$cache_uri" ] && items=$(published_items "$cache_uri/COMPLETE.json"); t
   exit 0
 fi
 
-if [ -f "$marker" ]; then
+if checkpoint_committed "$output_dir/0/items"; then
   echo "Checkpoint already converted in $output_dir"
 else
-  # A step folder left by an interrupted conversion is not reused.
-  rm -rf -- "${output_dir:?}/0"
+  # What an interrupted conversion left is not reused.
+  case "$output_dir" in
+    gs://*) gcloud storage rm --recursive "$output_dir/0" >/dev/null 2>&1 || true ;;
+    *) rm -rf -- "${output_dir:?}/0" ;;
+  esac
   activate_maxtext_venv "$work_dir"
+  make_gcs_folder "$output_dir"
   python3 -m maxtext.checkpoint_conversion.to_maxtext "$@"
-  if [ ! -d "$output_dir/0/items" ]; then
-    echo "conversion exited 0 but wrote no $output_dir/0/items" >&2
+  if ! checkpoint_committed "$output_dir/0/items"; then
+    echo "conversion exited 0 but left no complete checkpoint in $output_dir/0/items" >&2
     exit 1
   fi
-  touch "$marker"
   echo "Converted checkpoint: $output_dir/0/items"
 fi
 
@@ -52,24 +58,20 @@ if [ -z "$cache_uri" ]; then
   exit 0
 fi
 
-attempt="$cache_uri/attempts/$run_name"
-echo "Uploading the conversion to $attempt"
-gcloud storage rsync --recursive --delete-unmatched-destination-objects \
-  --exclude='^\.maxtext-sft-converted$' "$output_dir" "$attempt"
 record=$(mktemp)
 trap 'rm -f "$record"' EXIT
-python3 - "$attempt/0/items" "$run_name" "$@" >"$record" <<'PY'
+python3 -c '
 import datetime, json, sys
-items, run_name, *flags = sys.argv[1:]
-print(json.dumps({"items": items, "converted_by": run_name, "conversion_flags": flags,
+items, *flags = sys.argv[1:]
+print(json.dumps({"items": items, "conversion_flags": flags,
                   "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}))
-PY
+' "$output_dir/0/items" "$@" >"$record"
 if gcloud storage cp --if-generation-match=0 "$record" "$cache_uri/COMPLETE.json"; then
-  items="$attempt/0/items"
+  items="$output_dir/0/items"
   echo "Published the conversion: $cache_uri/COMPLETE.json"
 elif items=$(published_items "$cache_uri/COMPLETE.json"); then
   echo "Another run published this conversion first ($items); removing ours"
-  gcloud storage rm --recursive "$attempt" || true
+  gcloud storage rm --recursive "$output_dir" || true
 else
   echo "could not publish $cache_uri/COMPLETE.json, and it does not exist" >&2
   exit 1

@@ -50,3 +50,20 @@ checkpoint_committed() {
     *) [ -d "$1" ] ;;
   esac
 }
+
+# Create the folder placeholder object "PATH/" for a gs:// folder (what TensorFlow's gfile and
+# the Cloud console do). MaxText checks that its output folder exists after creating it; with
+# etils' gcsfs backend (a VM without TensorFlow) creating a folder writes nothing, so the check
+# fails for a new folder unless something is there. Needs the MaxText venv (google-cloud-storage).
+make_gcs_folder() {
+  case "$1" in
+    gs://*) ;;
+    *) return 0 ;;
+  esac
+  python3 - "$1" <<'PY'
+import sys
+from google.cloud import storage
+bucket, _, name = sys.argv[1][len("gs://"):].partition("/")
+storage.Client().bucket(bucket).blob(name.rstrip("/") + "/").upload_from_string(b"")
+PY
+}

@@ -205,7 +205,10 @@ class RunSpec:
 
     @property
     def maxtext_checkpoint_dir(self) -> str:
-        """Where the conversion writes on the VM (uploaded from there when outputs are durable)."""
+        """Where the conversion writes: the tutorial's folder on the VM, or with an output location
+        this run's attempt in the shared cache (see include/vm/convert_to_maxtext.sh)."""
+        if self.output_location:
+            return f"{self.base_checkpoint_cache}/attempts/{self.run_name}/"
         return f"{self.scratch_dir}/mt-format/"
 
     @property
@@ -242,12 +245,11 @@ class RunSpec:
 
     def conversion_key(self) -> dict[str, Any]:
         """What a converted base checkpoint depends on: runs with equal keys share one conversion."""
-        args = [arg for arg in self.convert_args() if not arg.startswith("base_output_directory=")]
         return {
             "model_name": self.model_name,
             "model_revision": self.model_revision or "default-branch",
             "maxtext_version": self.maxtext_version,
-            "convert_args": args,
+            "convert_args": self._conversion_flags(),
         }
 
     @property
@@ -278,10 +280,16 @@ class RunSpec:
 
     # MaxText command lines (the tutorial's, with the token left to the environment).
     def convert_args(self) -> list[str]:
-        zarr_ocdbt = str(0 if self.use_pathways else 1)
         return [
             f"model_name={self.model_name}",
             f"base_output_directory={self.maxtext_checkpoint_dir}",
+            *self._conversion_flags(),
+        ]
+
+    def _conversion_flags(self) -> list[str]:
+        """Every conversion argument but where it writes (what the conversion cache is keyed on)."""
+        zarr_ocdbt = str(0 if self.use_pathways else 1)
+        return [
             "scan_layers=True",
             "use_multimodal=False",
             "hardware=cpu",

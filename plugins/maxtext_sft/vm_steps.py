@@ -40,7 +40,7 @@ STEPS: dict[str, VmStep] = {
     "convert": VmStep(
         script="convert_to_maxtext.sh",
         arguments=lambda s, _: [
-            s.work_dir, s.maxtext_checkpoint_dir, s.base_checkpoint_cache or "", s.run_name, *s.convert_args()
+            s.work_dir, s.maxtext_checkpoint_dir, s.base_checkpoint_cache or "", *s.convert_args()
         ],
         timeout_seconds=lambda s: s.convert_timeout_minutes * 60,
         needs_hf_token=True,

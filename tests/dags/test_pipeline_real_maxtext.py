@@ -7,7 +7,10 @@ import subprocess
 
 import pytest
 
-from localcloud.connections import REAL_IMAGE_KEY, real_maxtext_run_conf
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
@@ -32,22 +35,35 @@ def real_image(local_cloud):
     return image
 
 
-def test_fine_tunes_with_real_maxtext_and_exports_a_model_that_generates(run_pipeline, real_image, local_cloud):
-    run = run_pipeline(real_maxtext_run_conf(real_image, steps=STEPS))
+def test_fine_tunes_into_storage_and_publishes_a_model_that_generates(run_pipeline, real_image, local_cloud, tmp_path):
+    # What `make run` does: MaxText itself writes its run folder to gs:// (Orbax, tensorstore and
+    # gcsfs reach the local GCS from the VM), and the export is published to the local Hub.
+    run = run_pipeline(real_maxtext_run_conf(real_image, steps=STEPS, outputs=True))
     log = run.log
     assert run.state == "success", run.task_states
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == STEPS
+    assert run.xcoms["publish_to_hub.return_value"]["commit"]
     # Each training step was logged once, with its loss, as training went.
     logged = [int(step) for step in re.findall(r"training progress: step (\d+), loss [0-9.]+", log)]
     assert sorted(set(logged)) == list(range(1, STEPS + 1))
     assert len(logged) == STEPS
-    # The last checkpoint is checkpoints/<steps>; nothing later.
-    vm_name = run.xcoms["plan_run.vm_name"]
-    files = [entry["path"] for entry in local_cloud.deleted_manifest(vm_name)]
-    steps_saved = {int(m.group(1)) for f in files if (m := re.search(r"/checkpoints/(\d+)/model_params/", f))}
-    assert max(steps_saved) == STEPS
+    # MaxText committed checkpoints/<steps> in the bucket, and nothing later.
+    bucket_name, _, prefix = LOCAL_OUTPUTS_CONF["output_location"].removeprefix("gs://").partition("/")
+    client = storage.Client(
+        project="local-project",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": local_cloud.storage_url},
+    )
+    run_prefix = f"{prefix}/runs/{run.xcoms['plan_run.spec']['run_name']}/"
+    names = [blob.name[len(run_prefix) :] for blob in client.list_blobs(bucket_name, prefix=run_prefix)]
+    committed = {int(m.group(1)) for n in names if (m := re.match(r"checkpoints/(\d+)/commit_success.txt$", n))}
+    assert max(committed) == STEPS, names
+    assert any(n.startswith("tensorboard/") for n in names), names
     # The export loads in transformers and generates (in the image's venv: torch stays out of Airflow's).
-    export = local_cloud.deleted_shm(vm_name) / "gemma3-4b" / "hf-trained"
+    export = tmp_path / "hf-export"
+    export.mkdir()
+    for blob in client.list_blobs(bucket_name, prefix=run_prefix + "hf-export/"):
+        blob.download_to_filename(export / blob.name.rsplit("/", 1)[1])
     python = real_image / "maxtext_venv" / "bin" / "python3"
     result = subprocess.run([str(python), "-c", GENERATE, str(export)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -112,14 +112,15 @@ def test_convert_gets_the_token_on_stdin_and_is_safe_to_run_twice(vm):
     token_hash = (out_dir / ".standin-hf-token.sha256").read_text().strip()
     assert token_hash == hashlib.sha256(TOKEN.encode()).hexdigest()
     assert TOKEN not in first.stdout + first.stderr
+    assert f"MAXTEXT_SFT_RESULT base_checkpoint={out_dir}/0/items" in first.stdout
     second = vm.run("convert")
     assert "already converted" in second.stdout
 
 
-def test_convert_without_a_token_fails_and_leaves_no_marker(vm):
+def test_convert_without_a_token_fails_and_leaves_no_checkpoint(vm):
     result = vm.run("convert", token=None, check=False)
     assert result.returncode != 0
-    assert not (vm.path(vm.spec.maxtext_checkpoint_dir) / ".maxtext-sft-converted").exists()
+    assert not (vm.path(vm.spec.maxtext_checkpoint_dir) / "0" / "items").exists()
 
 
 def test_training_runs_detached_and_status_streams_each_line_once(vm):
