@@ -2,10 +2,12 @@
 
     python -m localcloud.run_pipeline [--maxtext real|fast] [--conf '{"steps": 10}']
 
-Starts the Compute Engine emulator (its VMs are sshd sandboxes on 127.0.0.N), then
-`airflow standalone` (scheduler, triggerer, dag-processor, api-server; SQLite) with connections
-pointing at the emulator, triggers one run of the `maxtext_sft` DAG through the REST API, waits
-for it, and prints the outcome, each task's duration and the VM's lifecycle. Everything it
+Starts the local cloud (Compute Engine emulator whose VMs are sshd sandboxes on 127.0.0.N, a
+Cloud Storage emulator, a Hugging Face Hub), then `airflow standalone` (scheduler, triggerer,
+dag-processor, api-server; SQLite) with connections pointing at it, triggers one run of the
+`maxtext_sft` DAG through the REST API with outputs to the local bucket and publishing to the
+local Hub, waits for it, and prints the outcome, each task's duration, the VM's lifecycle and
+where the outputs went. Everything it
 started is stopped at the end (process groups), and a new run starts from a clean state.
 Exit code 0 only when the run succeeded and no VM is left.
 """
@@ -136,6 +138,12 @@ class Airflow:
     def task_states(self, run_id: str) -> dict[str, str | None]:
         return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
 
+    def xcom(self, run_id: str, task_id: str):
+        """A task's return value, or None when it has none."""
+        path = f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        entry = self.get(path, missing_ok=True)
+        return entry["value"] if entry else None
+
     def stop(self) -> None:
         stop_process_group(self.pidfile)
 
@@ -195,6 +203,15 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
             print(f"  {offset} {entry['method']:<6} {path.split('?')[0]} -> {entry['status']}")
     left = cloud.vms()
     print(f"\nInstances left: {len(left)} {[vm['name'] for vm in left] if left else ''}")
+    record = airflow.xcom(run_id, "collect_outputs")
+    if record:
+        print("\nOutputs (the run record, also in storage):")
+        for key in ("hf_export", "checkpoints", "base_checkpoint", "final_step", "final_loss"):
+            print(f"  {key:<16} {record.get(key)}")
+    published = airflow.xcom(run_id, "publish_to_hub")
+    if published:
+        print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "
+              f"commit {published['commit']}")
     return run["state"] == "success" and not left
 
 
@@ -217,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image})
     if args.maxtext == "real":
         real_image = build_real_image()
-        base_conf = real_maxtext_run_conf(real_image)
+        base_conf = real_maxtext_run_conf(real_image, outputs=True)
     else:
-        base_conf = dict(LOCAL_RUN_CONF)
+        base_conf = {**LOCAL_RUN_CONF, **LOCAL_OUTPUTS_CONF}
     conf = {**base_conf, **json.loads(args.conf)}
     airflow = None
     try:

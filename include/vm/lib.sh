@@ -54,7 +54,8 @@ checkpoint_committed() {
 # Create the folder placeholder object "PATH/" for a gs:// folder (what TensorFlow's gfile and
 # the Cloud console do). MaxText checks that its output folder exists after creating it; with
 # etils' gcsfs backend (a VM without TensorFlow) creating a folder writes nothing, so the check
-# fails for a new folder unless something is there. Needs the MaxText venv (google-cloud-storage).
+# fails for a new folder unless something is there. Run in the MaxText venv: that check uses
+# google-cloud-storage, so a venv without it has nothing to satisfy.
 make_gcs_folder() {
   case "$1" in
     gs://*) ;;
@@ -62,7 +63,10 @@ make_gcs_folder() {
   esac
   python3 - "$1" <<'PY'
 import sys
-from google.cloud import storage
+try:
+    from google.cloud import storage
+except ImportError:
+    sys.exit(0)
 bucket, _, name = sys.argv[1][len("gs://"):].partition("/")
 storage.Client().bucket(bucket).blob(name.rstrip("/") + "/").upload_from_string(b"")
 PY
