@@ -13,12 +13,16 @@ import re
 import signal
 import subprocess
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 
 from localcloud import images
+from localcloud.cloud import storage_env
 from maxtext_sft.spec import build_run_spec
 from maxtext_sft.vm_steps import STEPS, include_dir
 
@@ -31,69 +35,74 @@ def image_venv() -> Path:
     return images.build_fast_image() / "skel" / "maxtext_venv"
 
 
+class Vm:
+    """A fake VM home with the image's venv, and a runner for one step's script."""
+
+    def __init__(
+        self, tmp_path: Path, image_venv: Path, params: dict, env: dict | None = None, run_id: str = "manual__test"
+    ):
+        self.home = tmp_path / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        if not (self.home / "maxtext_venv").exists():
+            (self.home / "maxtext_venv").symlink_to(image_venv)
+        self.shm = tmp_path / "shm"
+        self.faults = tmp_path / "faults.json"
+        self.faults.write_text(json.dumps({"seconds_per_step": 0.002}))
+        self.env = env or {}
+        self.spec = build_run_spec(
+            {"reservation": "r", "steps": 12, **params},
+            dag_id="maxtext_sft",
+            run_id=run_id,
+            generation=0,
+            started=datetime(2026, 11, 29, tzinfo=timezone.utc),
+            default_project_id="my-project",
+            ssh_user="maxtext",
+            ssh_public_key="ssh-ed25519 AAAA",
+        )
+
+    def path(self, remote: str) -> Path:
+        return Path(remote.replace("/dev/shm", str(self.shm)))
+
+    def run(self, step: str, token: str | None = TOKEN, check: bool = True, path_prefix: str = ""):
+        args = [a.replace("/dev/shm", str(self.shm)) for a in STEPS[step].arguments(self.spec, {})]
+        env = {
+            "HOME": str(self.home),
+            "PATH": f"{path_prefix}/usr/bin:/bin",
+            "MAXTEXT_STANDIN_FAULTS": str(self.faults),
+            **self.env,
+        }
+        result = subprocess.run(
+            ["bash", str(include_dir() / STEPS[step].script), *args],
+            input=(token + "\n") if token else "",
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        if check:
+            assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+    def status(self) -> tuple[dict[str, str], str]:
+        out = self.run("training_status").stdout
+        fields = dict(item.split("=", 1) for item in STATUS.findall(out)[-1].split())
+        return fields, out
+
+    def wait_for_training(self, timeout: float = 60) -> tuple[dict[str, str], str]:
+        seen = ""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields, out = self.status()
+            seen += out
+            if fields["state"] != "running":
+                return fields, seen
+            time.sleep(0.1)  # polling interval, not synchronisation: the state is re-read
+        raise AssertionError("training still running at the deadline")
+
+
 @pytest.fixture
 def vm(tmp_path, image_venv):
-    """A fake VM home with the image's venv, and a runner for one step's script."""
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "maxtext_venv").symlink_to(image_venv)
-    shm = tmp_path / "shm"
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps({"seconds_per_step": 0.002}))
-    spec = build_run_spec(
-        {"reservation": "r", "steps": 12},
-        dag_id="maxtext_sft",
-        run_id="manual__test",
-        generation=0,
-        started=datetime(2026, 11, 29, tzinfo=timezone.utc),
-        default_project_id="my-project",
-        ssh_user="maxtext",
-        ssh_public_key="ssh-ed25519 AAAA",
-    )
-
-    class Vm:
-        def __init__(self):
-            self.home, self.shm, self.spec, self.faults = home, shm, spec, faults
-
-        def path(self, remote: str) -> Path:
-            return Path(remote.replace("/dev/shm", str(shm)))
-
-        def run(self, step: str, token: str | None = TOKEN, check: bool = True) -> subprocess.CompletedProcess:
-            args = [a.replace("/dev/shm", str(shm)) for a in STEPS[step].arguments(spec, {})]
-            env = {
-                "HOME": str(home),
-                "PATH": "/usr/bin:/bin",
-                "MAXTEXT_STANDIN_FAULTS": str(faults),
-            }
-            result = subprocess.run(
-                ["bash", str(include_dir() / STEPS[step].script), *args],
-                input=(token + "\n") if token else "",
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=120,
-            )
-            if check:
-                assert result.returncode == 0, result.stdout + result.stderr
-            return result
-
-        def status(self) -> tuple[dict[str, str], str]:
-            out = self.run("training_status").stdout
-            fields = dict(item.split("=", 1) for item in STATUS.findall(out)[-1].split())
-            return fields, out
-
-        def wait_for_training(self, timeout: float = 60) -> tuple[dict[str, str], str]:
-            seen = ""
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                fields, out = self.status()
-                seen += out
-                if fields["state"] != "running":
-                    return fields, seen
-                time.sleep(0.1)  # polling interval, not synchronisation: the state is re-read
-            raise AssertionError("training still running at the deadline")
-
-    return Vm()
+    return Vm(tmp_path, image_venv, {})
 
 
 def converted(vm) -> None:
@@ -189,3 +198,64 @@ def test_export_without_a_checkpoint_fails_clearly(vm):
     result = vm.run("export", check=False)
     assert result.returncode != 0
     assert "no checkpoint at" in result.stderr
+
+
+# ----- with an output location: the conversion cache in storage ------------------------------
+
+
+@pytest.fixture
+def storage_vms(tmp_path, image_venv, local_cloud):
+    """Two runs' VMs (same base model) whose scripts reach the local cloud's storage."""
+    bucket = f"cache-{uuid.uuid4().hex[:10]}"
+    local_cloud.create_bucket(bucket)
+    env = {**storage_env(local_cloud.storage_url), "CLOUDSDK_CONFIG": str(tmp_path / "gcloud")}
+    params = {"output_location": f"gs://{bucket}/sft"}
+    first = Vm(tmp_path / "a", image_venv, params, env, run_id="manual__a")
+    second = Vm(tmp_path / "b", image_venv, params, env, run_id="manual__b")
+    return first, second, storage.Client(
+        project="p", credentials=AnonymousCredentials(), client_options={"api_endpoint": local_cloud.storage_url}
+    ).bucket(bucket)
+
+
+def reported(result) -> str:
+    return re.findall(r"^MAXTEXT_SFT_RESULT base_checkpoint=(.*)$", result.stdout, re.M)[-1]
+
+
+def test_a_conversion_is_published_once_and_reused_by_the_next_run(storage_vms):
+    first, second, bucket = storage_vms
+    assert first.spec.base_checkpoint_cache == second.spec.base_checkpoint_cache
+    cache = first.spec.base_checkpoint_cache.removeprefix(f"gs://{bucket.name}/")
+    converted_first = first.run("convert")
+    items = reported(converted_first)
+    assert items == f"{first.spec.maxtext_checkpoint_dir}0/items"
+    assert bucket.blob(f"{cache}/COMPLETE.json").exists()
+    assert bucket.blob(items.removeprefix(f"gs://{bucket.name}/") + "/commit_success.txt").exists()
+    assert first.run("convert").stdout.count("skipping conversion") == 1  # safe to run twice
+    reused = second.run("convert")
+    assert reported(reused) == items
+    assert "converted before" in reused.stdout and "Converted checkpoint" not in reused.stdout
+    assert not list(bucket.list_blobs(prefix=f"{cache}/attempts/{second.spec.run_name}/"))
+
+
+def test_of_two_concurrent_conversions_the_second_to_finish_adopts_the_first(storage_vms, tmp_path):
+    first, second, bucket = storage_vms
+    cache = first.spec.base_checkpoint_cache.removeprefix(f"gs://{bucket.name}/")
+    items = reported(first.run("convert"))
+    marker = bucket.get_blob(f"{cache}/COMPLETE.json")
+    # The second run looked for the marker before the first one published it: a gcloud on its
+    # PATH answers that first look with "no such object", then runs the real gcloud.
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "gcloud").write_text(
+        "#!/bin/bash\n"
+        f'if [ "$1 $2" = "storage cat" ] && [[ "$3" == */COMPLETE.json ]] && [ ! -e {shim}/looked ]; then\n'
+        f"  touch {shim}/looked; exit 1\nfi\n"
+        'exec /usr/bin/gcloud "$@"\n'
+    )
+    (shim / "gcloud").chmod(0o755)
+    late = second.run("convert", path_prefix=f"{shim}:")
+    assert "Converted checkpoint" in late.stdout  # it did convert, believing it was first
+    assert "Another run published this conversion first" in late.stdout
+    assert reported(late) == items
+    assert bucket.get_blob(f"{cache}/COMPLETE.json").generation == marker.generation  # never overwritten
+    assert not list(bucket.list_blobs(prefix=f"{cache}/attempts/{second.spec.run_name}/"))
