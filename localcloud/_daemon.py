@@ -9,7 +9,9 @@ listens, and exits 0 on SIGTERM/SIGINT or when the parent is gone.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
+import ipaddress
 import json
 import logging
 import os
@@ -104,3 +106,53 @@ class RequestLog:
     def clear(self) -> None:
         with self._lock:
             self.path.write_text("")
+
+
+# ----- the entry points' shared shape ------------------------------------------------------
+
+
+def emulator_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The arguments every emulator takes; an entry point adds its own."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
+    parser.add_argument("--ready-file", type=Path, help="default: a file in the state dir")
+    parser.add_argument("--parent-pid", type=int, help="shut down when this process is gone")
+    parser.add_argument("--verbose", action="store_true")
+    return parser
+
+
+def parse_emulator_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, refuse a non-loopback host, set up logging, resolve and create the state dir."""
+    args = parser.parse_args(argv)
+    if not ipaddress.ip_address(args.host).is_loopback:
+        parser.error("--host must be a loopback address")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    args.state_dir = args.state_dir.resolve()
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def serve_until_stopped(
+    server, args: argparse.Namespace, ready_file: Path, name: str, endpoint_path: str = "", on_stop=None
+) -> int:
+    """Serve in a thread, announce readiness, and shut down on SIGTERM/SIGINT or the parent's death."""
+    port = server.server_address[1]
+    stop = stop_event(args.parent_pid)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}{endpoint_path}"}
+    write_ready(ready_file, ready)
+    log.info("%s emulator listening on %s (state dir %s)", name, ready["endpoint"], args.state_dir)
+    while not stop.wait(0.5):
+        pass
+    log.info("%s emulator shutting down", name)
+    server.shutdown()
+    if on_stop:
+        on_stop()
+    server.server_close()
+    ready_file.unlink(missing_ok=True)
+    return 0

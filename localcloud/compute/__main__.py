@@ -8,16 +8,13 @@ SIGINT deletes every VM and exits 0; so does the death of --parent-pid.
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 
-from .._daemon import stop_event, take_over, write_ready
+from .._daemon import emulator_parser, parse_emulator_args, serve_until_stopped, take_over
 from .emulator import ComputeEmulator, make_server
 from .vm import reap_stale
 
@@ -25,28 +22,14 @@ log = logging.getLogger("localcloud.compute")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m localcloud.compute", description=__doc__.splitlines()[0])
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
+    parser = emulator_parser("localcloud.compute", __doc__)
     parser.add_argument("--images-file", type=Path, help='JSON {"PROJECT/FAMILY": "/abs/image/dir"}')
-    parser.add_argument("--ready-file", type=Path, help="default: STATE_DIR/compute-ready.json")
-    parser.add_argument("--parent-pid", type=int, help="shut down when this process is gone")
     parser.add_argument("--operation-wait-timeout", type=float, default=120.0)
     parser.add_argument("--vm-ready-timeout", type=float, default=30.0)
     parser.add_argument("--vm-env-file", type=Path, help='JSON {"NAME": "value"}: environment of every VM\'s SSH sessions')
     parser.add_argument("--keep-deleted-shm", action="store_true", help="move a deleted VM's /dev/shm aside")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    if not ipaddress.ip_address(args.host).is_loopback:
-        parser.error("--host must be a loopback address")
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-
-    state_dir = args.state_dir.resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    args = parse_emulator_args(parser, argv)
+    state_dir = args.state_dir
     ready_file = args.ready_file or state_dir / "compute-ready.json"
     ready_file.unlink(missing_ok=True)
     lock_fd = take_over(state_dir / "compute-emulator.lock", "localcloud.compute")
@@ -67,24 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         vm_env=vm_env,
     )
     server = make_server(emulator, args.host, args.port)
-    port = server.server_address[1]
 
-    stop = stop_event(args.parent_pid)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    def delete_vms() -> None:
+        log.info("deleting %d VM(s)", len(emulator.instances))
+        emulator.shutdown()
 
-    ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}/compute/v1/"}
-    write_ready(ready_file, ready)
-    log.info("compute emulator listening on %s (state dir %s)", ready["endpoint"], state_dir)
-
-    while not stop.wait(0.5):
-        pass
-    log.info("shutting down: deleting %d VM(s)", len(emulator.instances))
-    server.shutdown()
-    emulator.shutdown()
-    server.server_close()
-    ready_file.unlink(missing_ok=True)
+    status = serve_until_stopped(server, args, ready_file, "compute", "/compute/v1/", on_stop=delete_vms)
     os.close(lock_fd)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

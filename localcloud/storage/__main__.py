@@ -9,57 +9,24 @@ api_endpoint_overrides/storage format. SIGTERM or SIGINT exits 0; so does the de
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
-import logging
 import os
 import sys
-import threading
-from pathlib import Path
 
-from .._daemon import stop_event, take_over, write_ready
+from .._daemon import emulator_parser, parse_emulator_args, serve_until_stopped, take_over
 from .server import make_server
-
-log = logging.getLogger("localcloud.storage")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m localcloud.storage", description=__doc__.splitlines()[0])
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
-    parser.add_argument("--ready-file", type=Path, help="default: STATE_DIR/ready.json")
-    parser.add_argument("--parent-pid", type=int, help="shut down when this process is gone")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    if not ipaddress.ip_address(args.host).is_loopback:
-        parser.error("--host must be a loopback address")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    state_dir = args.state_dir.resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    args = parse_emulator_args(emulator_parser("localcloud.storage", __doc__), argv)
+    state_dir = args.state_dir
     ready_file = args.ready_file or state_dir / "ready.json"
     ready_file.unlink(missing_ok=True)
     lock_fd = take_over(state_dir / "emulator.lock", "localcloud.storage")
     (state_dir / "requests.jsonl").write_text("")
-
     server = make_server(state_dir, args.host, args.port)
-    port = server.server_address[1]
-    stop = stop_event(args.parent_pid)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}/storage/v1/"}
-    write_ready(ready_file, ready)
-    log.info("storage emulator listening on %s (state dir %s)", ready["endpoint"], state_dir)
-
-    while not stop.wait(0.5):
-        pass
-    log.info("shutting down")
-    server.shutdown()
-    server.server_close()
-    ready_file.unlink(missing_ok=True)
+    status = serve_until_stopped(server, args, ready_file, "storage", "/storage/v1/")
     os.close(lock_fd)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
