@@ -19,10 +19,20 @@ $(VENV)/.synced: requirements.lock
 	VIRTUAL_ENV=$(VENV) uv pip sync -q requirements.lock
 	@touch $@
 
-# Debian packages the local cloud needs: OpenSSH's sshd plays each VM's SSH server.
+# Debian packages the local cloud and the tests need: OpenSSH's sshd plays each VM's SSH server;
+# PostgreSQL is the metadata database of the tests that run a real scheduler (each session starts
+# a private server of its own, localcloud/postgres.py). The package would create and start a
+# system-wide "main" cluster that nothing here uses: a createcluster.d setting stops that.
 system-deps:
-	@if [ ! -x /usr/sbin/sshd ]; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; \
+	@missing=""; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+		case "$$missing" in *postgresql*) \
+			mkdir -p /etc/postgresql-common/createcluster.d && \
+			echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/maxtext-sft-no-main-cluster.conf;; \
+		esac; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
 run: venv system-deps

@@ -19,7 +19,7 @@ from airflow.sdk import DAG, conf, task
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
-from maxtext_sft.outcome import check_run_outcome
+from maxtext_sft.outcome import check_run_outcome, record_failure
 from maxtext_sft.params import pipeline_params
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
@@ -37,7 +37,12 @@ with DAG(
     catchup=False,
     params=pipeline_params(),
     tags=["maxtext", "sft", "tpu"],
-    default_args={"retries": 2, "retry_delay": RETRY_DELAY, "owner": "ml-platform"},
+    default_args={
+        "retries": 2,
+        "retry_delay": RETRY_DELAY,
+        "owner": "ml-platform",
+        "on_failure_callback": record_failure,  # check_run_outcome names the cause
+    },
     doc_md=__doc__,
 ) as dag:
 
@@ -62,7 +67,9 @@ with DAG(
         resource_id=run["vm_name"],
         request_id=run["request_id"],
         body=run["instance_body"],
+        lifetime_minutes=run["lifetime_minutes"],
         gcp_conn_id=GCP_CONN_ID,
+        retry_exponential_backoff=True,  # capacity and 5xx errors clear up over minutes
     )
     wait_for_ssh = VmSshReadySensor(
         task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=600, **vm_connections

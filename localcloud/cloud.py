@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -231,7 +232,21 @@ class LocalCloud:
         self._control("DELETE", "requests")
 
     def set_faults(self, faults: dict) -> dict:
+        """Replace the compute emulator's faults (kinds and shapes: `localcloud.compute.emulator.Faults`),
+        e.g. {"http_errors": [{"method": "GET", "path_regex": "/instances/vm-1$", "status": 503}],
+        "ssh_refused": {"seconds": 20}}; {} clears them all. Returns what is set."""
         return self._control("POST", "faults", faults)
+
+    def get_faults(self) -> dict:
+        """The compute faults still set (rules whose `count` ran out are gone)."""
+        return self._control("GET", "faults")
+
+    def terminate_vm(self, name: str, action: str = "DELETE", *, project: str | None = None, zone: str | None = None) -> dict:
+        """End instance `name` the way Compute Engine itself does (preemption, its time limit):
+        DELETE kills its processes and removes it (the API then answers 404), STOP kills them and
+        leaves it TERMINATED. No API request or operation is made; returns when done."""
+        body = {"action": action, **({"project": project} if project else {}), **({"zone": zone} if zone else {})}
+        return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/terminate", body)
 
     def add_image(self, key: str, image_dir: Path) -> None:
         """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""

@@ -3,8 +3,9 @@
     python -m localcloud.run_pipeline [--maxtext real|fast] [--conf '{"steps": 10}']
 
 Starts the local cloud (Compute Engine emulator whose VMs are sshd sandboxes on 127.0.0.N, a
-Cloud Storage emulator, a Hugging Face Hub), then `airflow standalone` (scheduler, triggerer,
-dag-processor, api-server; SQLite) with connections pointing at it, triggers one run of the
+Cloud Storage emulator, a Hugging Face Hub), then Airflow's components as separate processes
+(api-server, scheduler, dag-processor, triggerer; SQLite; `localcloud.airflow_harness`) with
+connections pointing at it, triggers one run of the
 `maxtext_sft` DAG through the REST API with outputs to the local bucket and publishing to the
 local Hub, waits for it, and prints the outcome, each task's duration, the VM's lifecycle and
 where the outputs went. Everything it
@@ -17,16 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+from localcloud.airflow_harness import Airflow
 from localcloud.cloud import LocalCloud
 from localcloud.connections import (
     LOCAL_RUN_CONF,
@@ -43,138 +40,6 @@ from localcloud.images import TUTORIAL_IMAGE, build_fast_image, build_real_image
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "run"
 DAG_ID = "maxtext_sft"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Airflow:
-    """`airflow standalone` in its own process group, with a fresh home."""
-
-    def __init__(self, home: Path, env: dict[str, str]):
-        self.home = home
-        self.port = free_port()
-        self.env = env
-        self.pidfile = home.parent / "airflow.pgid"
-        self.process: subprocess.Popen | None = None
-        self.token: str | None = None
-
-    def start(self) -> None:
-        stop_process_group(self.pidfile)  # a run killed before it could clean up
-        shutil.rmtree(self.home, ignore_errors=True)
-        self.home.mkdir(parents=True)
-        env = {
-            **self.env,
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-            "AIRFLOW_HOME": str(self.home),
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "false",
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "true",
-            "AIRFLOW__API__PORT": str(self.port),
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
-            "PYTHONPATH": str(REPO / "plugins"),
-        }
-        log = open(self.home / "standalone.log", "wb")  # noqa: SIM115 - owned by the child
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "airflow", "standalone"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=self.home,
-        )
-        self.pidfile.write_text(str(self.process.pid))
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"airflow standalone exited; see {self.home / 'standalone.log'}")
-            try:
-                health = self.get("/api/v2/monitor/health", auth=False)
-                if all(health[c]["status"] == "healthy" for c in ("scheduler", "triggerer", "dag_processor")):
-                    self.token = self.get("/auth/token", auth=False)["access_token"]
-                    if self.get(f"/api/v2/dags/{DAG_ID}", missing_ok=True):
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError("Airflow did not become healthy with the DAG parsed within 180 s")
-
-    def request(self, method: str, path: str, body=None, auth=True, missing_ok=False):
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method)
-        if auth:
-            request.add_header("Authorization", f"Bearer {self.token}")
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            request.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(request, data=data, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.HTTPError as error:
-            if missing_ok and error.code == 404:
-                return None
-            raise RuntimeError(f"{method} {path}: {error.code} {error.read().decode()[:500]}") from error
-
-    def get(self, path: str, **kwargs):
-        return self.request("GET", path, **kwargs)
-
-    def trigger(self, conf: dict) -> str:
-        run = self.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
-        return run["dag_run_id"]
-
-    def run(self, run_id: str) -> dict:
-        return self.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")
-
-    def task_instances(self, run_id: str) -> list[dict]:
-        return self.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
-
-    def task_states(self, run_id: str) -> dict[str, str | None]:
-        return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
-
-    def xcom(self, run_id: str, task_id: str):
-        """A task's return value, or None when it has none."""
-        path = f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
-        entry = self.get(path, missing_ok=True)
-        return entry["value"] if entry else None
-
-    def stop(self) -> None:
-        stop_process_group(self.pidfile)
-
-
-def stop_process_group(pidfile: Path, grace: float = 20) -> None:
-    """SIGTERM the group recorded in `pidfile`, SIGKILL what is left after `grace` seconds."""
-    if not pidfile.exists():
-        return
-    pgid = int(pidfile.read_text())
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pidfile.unlink()
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            break
-        try:  # reap our own child if it is the leader
-            os.waitpid(pgid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.2)
-    else:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    pidfile.unlink(missing_ok=True)
 
 
 def parse_time(text: str | None) -> datetime | None:
@@ -248,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **airflow_connection_env(cloud, generate_ssh_private_key(), hf_token)}
         print(f"Compute Engine emulator: {cloud.compute_endpoint}", flush=True)
         print(f"Cloud Storage emulator: {cloud.storage_endpoint}; Hugging Face Hub: {cloud.hub.endpoint}", flush=True)
-        airflow = Airflow(STATE / "airflow-home", env)
-        print("Starting airflow standalone ...", flush=True)
+        airflow = Airflow(STATE / "airflow-home", env, dag_id=DAG_ID)
+        print("Starting Airflow (api-server, scheduler, dag-processor, triggerer; SQLite) ...", flush=True)
         airflow.start()
         print(f"Airflow API on http://127.0.0.1:{airflow.port}; triggering {DAG_ID} with conf {json.dumps(conf)}")
         run_id = airflow.trigger(conf)

@@ -1,7 +1,9 @@
-"""Test-wide setup: an isolated Airflow home (SQLite), configured before anything imports Airflow."""
+"""Test-wide setup: an isolated Airflow home (SQLite), configured before anything imports Airflow;
+the local cloud; and a private PostgreSQL server for the tests that run a real scheduler."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -19,9 +21,16 @@ from localcloud.connections import (
     prepare_local_cloud,
 )
 from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from localcloud.postgres import PostgresInUse, PostgresServer
 
 REPO = Path(__file__).resolve().parents[1]
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="maxtext-sft-airflow-"))
+# The PostgreSQL clusters' folders, POSTGRES_ROOT-0, -1...: reachable by the unprivileged user
+# PostgreSQL runs as (pytest's own temp folders are private to root) and the same for every run of
+# this checkout, so a run finds and stops a server a killed run left behind. A session takes the
+# first folder no live session holds (two sessions of one checkout can run side by side).
+POSTGRES_ROOT = Path(tempfile.gettempdir()) / f"maxtext-sft-postgres-{hashlib.sha256(str(REPO).encode()).hexdigest()[:12]}"
+POSTGRES_SLOTS = 8
 
 os.environ.update(
     {
@@ -55,6 +64,33 @@ def airflow_db() -> Path:
         env=os.environ.copy(),
     )
     return _AIRFLOW_HOME
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A private PostgreSQL server for the session (fresh cluster, stopped at the end)."""
+    servers = [PostgresServer(POSTGRES_ROOT.with_name(f"{POSTGRES_ROOT.name}-{slot}")) for slot in range(POSTGRES_SLOTS)]
+    for server in servers:
+        try:
+            server.start()
+            break
+        except PostgresInUse:
+            continue
+    else:
+        raise PostgresInUse(f"all {POSTGRES_SLOTS} PostgreSQL folders {POSTGRES_ROOT}-N are held by live sessions")
+    try:
+        for other in servers:
+            if other is not server:
+                other.reap_leftover()  # what killed sessions left in folders no one holds
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server) -> str:
+    """The SQLAlchemy URL of the session server's `airflow` database (not migrated)."""
+    return postgres_server.url
 
 
 @pytest.fixture(scope="session")

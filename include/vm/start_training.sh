@@ -25,7 +25,7 @@ if [ -f "$job_dir/pid" ] && process_alive "$(cat "$job_dir/pid")"; then
   echo "Training $run_name is already running (pid $(cat "$job_dir/pid"))"
   exit 0
 fi
-rm -f "$job_dir/exit_code"
+rm -f "$job_dir/exit_code" "$job_dir/progress"
 activate_maxtext_venv "$work_dir"
 
 export TPU_ACCELERATOR_TYPE="$accelerator_type" TPU_WORKER_ID=0 TPU_NAME="$(hostname)"

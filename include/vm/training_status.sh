@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Report on a training started by start_training.sh: prints the log lines not printed by an
 # earlier call (a cursor file remembers where it stopped), then one status line:
-#   MAXTEXT_SFT_STATUS state=running|succeeded|exited|failed exit_code=C last_step=N last_loss=L out_of_data=yes|no
+#   MAXTEXT_SFT_STATUS state=running|succeeded|exited|failed exit_code=C last_step=N last_loss=L out_of_data=yes|no idle_seconds=S
 # succeeded = exit code 0 and the final checkpoint (CHECKPOINTS_DIR/STEPS/model_params) exists.
 # exited = exit code 0 with CHECKPOINTS_DIR in storage (gs://): the caller checks the checkpoint.
+# idle_seconds = time since the last step changed (or since the start): a stall shows there.
 # On failure, the last 40 log lines follow a "--- tail" line, before the status line.
 # Usage: training_status.sh WORK_DIR RUN_NAME CHECKPOINTS_DIR STEPS
 set -euo pipefail
@@ -23,10 +24,14 @@ if [ ! -f "$job_dir/pid" ]; then
 fi
 
 # The state is read before the log: once it is final, the log holds every line already.
+# Liveness before the exit code: the wrapper writes its exit code before it ends, so a wrapper
+# seen dead with no exit code afterwards was killed (the other order races with a clean exit).
+alive=no
+process_alive "$(cat "$job_dir/pid")" && alive=yes
 exit_code=$(cat "$job_dir/exit_code" 2>/dev/null || echo none)
 
 if [ "$exit_code" = none ]; then
-  if process_alive "$(cat "$job_dir/pid")"; then
+  if [ "$alive" = yes ]; then
     state=running
   else
     state=failed  # killed without a chance to write its exit code
@@ -60,8 +65,17 @@ out_of_data=no
 if grep -q -a 'You may have run out of training data' "$log" 2>/dev/null; then
   out_of_data=yes
 fi
+# When did the last step change? The progress file keeps "STEP EPOCH" across calls.
+now=$(date +%s)
+read -r seen_step seen_at <"$job_dir/progress" 2>/dev/null || true
+if [ "${seen_step:-}" != "${last_step:-none}" ] || [ -z "${seen_at:-}" ]; then
+  # Before any step was seen, idle time counts from the training's start (its pid file).
+  seen_at=$now
+  [ -z "${seen_step:-}" ] && seen_at=$(stat -c %Y "$job_dir/pid")
+  echo "${last_step:-none} $seen_at" >"$job_dir/progress"
+fi
 if [ "$state" = failed ]; then
   echo "--- tail of $log"
   tail -n 40 "$log" 2>/dev/null || true
 fi
-echo "MAXTEXT_SFT_STATUS state=$state exit_code=$exit_code last_step=${last_step:-none} last_loss=${last_loss:-none} out_of_data=$out_of_data"
+echo "MAXTEXT_SFT_STATUS state=$state exit_code=$exit_code last_step=${last_step:-none} last_loss=${last_loss:-none} out_of_data=$out_of_data idle_seconds=$((now - seen_at))"

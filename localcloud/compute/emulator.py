@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import datetime as dt
 import fcntl
 import json
@@ -49,6 +50,10 @@ _ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
 _LABEL_KEY = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 _URL_PREFIX = re.compile(r"^https?://[^/]+/compute/(?:v1|beta|alpha)/")
+
+# Compute Engine's bounds for a VM's time limit (scheduling.maxRunDuration / terminationTime).
+MIN_RUN_SECONDS = 30
+MAX_RUN_SECONDS = 120 * 24 * 3600
 
 # Operation error code → (httpErrorStatusCode) as the real API reports it.
 _OPERATION_ERROR_STATUS = {
@@ -91,6 +96,20 @@ def now_rfc3339() -> str:
     return dt.datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
+def rfc3339(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="milliseconds")
+
+
+def parse_rfc3339(value: str) -> float | None:
+    """Seconds since the epoch, or None unless `value` is an RFC 3339 timestamp with an offset."""
+    if not re.fullmatch(r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)", value):
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.upper().replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def new_id() -> str:
     # Compute Engine ids are unsigned 64-bit numbers, sent as decimal strings.
     return str(secrets.randbelow(2**63 - 10**18) + 10**18)
@@ -123,63 +142,357 @@ class Request:
         self.base = base  # "http://HOST:PORT/compute/v1/" as the client addressed us
 
 
-class Faults:
-    """Fault switches, replaced as a whole by POST /_localcloud/faults.
+# ----- error catalog -----------------------------------------------------------------------------
+# Compute Engine's own wording of the errors the faults inject, as public reports of real errors
+# show it: the zone-exhausted and quota messages (operation errors, gcloud and Terraform output;
+# the double spaces are theirs), the two reservation messages (matched by Google's GKE tooling), the
+# internal-error format. Which HTTP status and reason the API gives the reservation errors when it
+# refuses the insert itself is not documented: 400 `invalid` here (a rule can override both).
+# `{project}`, `{zone}`, `{region}`, `{name}` and `{reservation}` are filled in from the request.
 
-    Each key is one fault kind with its own settings object; a settings object may carry
-    `count` (apply to the next N matching calls, then switch off), otherwise it stays on
-    until replaced. New kinds are added to `KINDS` with a validator.
+_ZONE_EXHAUSTED = (
+    "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill "
+    "the request.  Try a different zone, or try again later."
+)
+_ZONE_EXHAUSTED_WITH_DETAILS = (
+    "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill "
+    "the request.  '(resource type:compute)'."
+)
+_QUOTA = "Quota 'CPUS' exceeded.  Limit: 0.0 in region {region}."
+_INTERNAL = "Internal error. Please try again or contact Google Support. (Code: '{support_code}')"
+
+# Operation error code → the message a failed operation carries when the fault names none.
+_OPERATION_ERROR_MESSAGES = {
+    "ZONE_RESOURCE_POOL_EXHAUSTED": _ZONE_EXHAUSTED,
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": _ZONE_EXHAUSTED_WITH_DETAILS,
+    "QUOTA_EXCEEDED": _QUOTA,
+    "RESOURCE_NOT_FOUND": "The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found",
+    "INTERNAL_ERROR": _INTERNAL,
+}
+
+# insert_rejected presets: (HTTP status, error reason, message) of a synchronous insert error.
+INSERT_REJECTIONS = {
+    "quota_exceeded": (403, "quotaExceeded", _QUOTA),
+    "zone_resource_pool_exhausted": (503, "ZONE_RESOURCE_POOL_EXHAUSTED", _ZONE_EXHAUSTED),
+    "zone_resource_pool_exhausted_with_details": (
+        503, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", _ZONE_EXHAUSTED_WITH_DETAILS,
+    ),
+    "reservation_not_found": (
+        400, "invalid", "Could not find the given reservation with the following name: {reservation}",
+    ),
+    "reservation_no_capacity": (
+        400, "invalid", "Reservation {reservation} does not have sufficient capacity for the requested resources.",
+    ),
+}
+
+# http_errors: the reason (and for some, the canonical status and error domain) an injected HTTP
+# error carries when the rule names none.
+_HTTP_ERROR_REASONS = {
+    400: "badRequest", 401: "authError", 403: "forbidden", 404: "notFound", 409: "conflict",
+    412: "conditionNotMet", 429: "rateLimitExceeded",
+}
+_HTTP_ERROR_MESSAGES = {
+    429: (
+        "Quota exceeded for quota metric 'Queries' and limit 'Queries per minute' of service "
+        "'compute.googleapis.com' for consumer 'project_number:{project_number}'."
+    ),
+    500: _INTERNAL,
+    503: "The service is currently unavailable.",
+}
+_HTTP_ERROR_STATUS = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def fill(template: str, **values: object) -> str:
+    """`template` with the {placeholders} it names filled in (unknown ones left as they are)."""
+    values.setdefault("support_code", str(-secrets.randbelow(2**63)))
+    return re.sub(r"\{(\w+)\}", lambda m: str(values.get(m.group(1), m.group(0))), template)
+
+
+# ----- faults --------------------------------------------------------------------------------------
+
+
+class Faults:
+    """Fault switches, replaced as a whole by POST /_localcloud/faults (GET shows what is left).
+
+    The body maps each fault kind to one rule (a JSON object) or a list of rules. A rule may
+    carry `count`: it applies to the next N matching calls, then switches off; without `count`
+    it applies once (except `insert_fails_after_accept`, which then stays on until replaced).
+    Rules of the per-instance kinds may carry `name_regex`: they only apply to instances whose
+    name it matches (re.search). Unknown kinds, unknown keys and bad values are refused (400).
+
+    Kinds:
+
+    insert_fails_after_accept  {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message": ...,
+                                "http_status": 503, "leave_instance": false, "count": N}
+        instances.insert answers with an operation as usual, which then ends DONE with this
+        error (httpErrorStatusCode from the code, or `http_status`); the instance is removed, or
+        left TERMINATED with no VM (`leave_instance`).
+
+    http_errors  [{"method": "GET", "path_regex": "/instances/vm-1$", "status": 429,
+                   "reason": "rateLimitExceeded", "message": ..., "retry_after": 1, "count": N}]
+        A Compute API request whose method and path (re.search on the URL path, query excluded)
+        match gets this error instead of being served, in the API's error body; `status` is
+        400-599; reason and message default from the status (429: rateLimitExceeded, status
+        RESOURCE_EXHAUSTED, a per-minute quota message; 503: backendError, UNAVAILABLE). A 429
+        carries `Retry-After` (`retry_after` seconds, default 1; any status may set it).
+
+    insert_rejected  {"preset": "reservation_no_capacity"} or
+                     {"reason": "quotaExceeded", "status": 403, "message": ..., "name_regex", "count"}
+        instances.insert of a valid body fails synchronously with this error (no instance, no
+        operation). Presets (see INSERT_REJECTIONS): quota_exceeded (403 quotaExceeded),
+        zone_resource_pool_exhausted (503 ZONE_RESOURCE_POOL_EXHAUSTED),
+        zone_resource_pool_exhausted_with_details (503), reservation_not_found (400 invalid,
+        "Could not find the given reservation with the following name: NAME"),
+        reservation_no_capacity (400 invalid, "Reservation NAME does not have sufficient capacity
+        for the requested resources."); explicit reason, status or message override the preset.
+
+    operation_errors  {"operation": "insert" | "delete", "code": "INTERNAL_ERROR", "message": ...,
+                       "http_status": 500, "leave_instance": false, "name_regex", "count"}
+        The call is accepted (an operation is returned), then the operation ends DONE with this
+        error. insert: as insert_fails_after_accept. delete: the instance is not deleted; it keeps
+        its status and its VM keeps running. Default code: insert ZONE_RESOURCE_POOL_EXHAUSTED,
+        delete INTERNAL_ERROR; the message defaults to the real API's wording for the code.
+
+    operation_hangs  {"operation": "insert" | "delete", "seconds": 30, "name_regex", "count"}
+        The operation stays RUNNING for `seconds` (without `seconds`: until a POST of faults
+        without operation_hangs clears it; that also ends a hang early), then goes on as usual
+        (an operation_errors rule taken by the same call still applies). A hanging insert leaves
+        the instance PROVISIONING; a hanging delete leaves it STOPPING with its VM still running.
+
+    ssh_refused  {"seconds": 10, "name_regex", "count"}
+        The next VM(s) created start sshd `seconds` after the instance became RUNNING: until
+        then port 22 refuses connections (the guest booted late).
+
+    ssh_banner_timeout  {"seconds": 10, "name_regex", "count"}
+        The next VM(s) created accept TCP connections on port 22 but send no SSH banner for
+        `seconds` after becoming RUNNING (a hung sshd, frozen with SIGSTOP); then sshd serves
+        the queued connections and new ones as usual.
     """
+
+    PER_INSTANCE = {"insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout"}
+    OPERATIONS = ("insert", "delete")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._settings: dict = {}
+        self._rules: dict[str, list[dict]] = {}
+        self._listed: set[str] = set()  # kinds given as a list of rules (shown back as a list)
+        self._cleared: dict[str, int] = {}  # kind → how many POSTs came without it
+
+    # -- validation, one rule at a time --
 
     @staticmethod
-    def _check_insert_fails_after_accept(value: dict) -> None:
-        allowed = {"code", "message", "leave_instance", "http_status", "count"}
-        unknown = set(value) - allowed
+    def _keys(rule: dict, allowed: set[str]) -> None:
+        unknown = set(rule) - allowed - {"count"}
         if unknown:
-            raise ValueError(f"unknown settings {sorted(unknown)}")
-        if "leave_instance" in value and not isinstance(value["leave_instance"], bool):
+            raise ValueError(f"unknown settings {sorted(unknown)} (allowed: {sorted(allowed | {'count'})})")
+
+    @staticmethod
+    def _str(rule: dict, key: str, required: bool = False) -> None:
+        if key not in rule:
+            if required:
+                raise ValueError(f"'{key}' is required")
+            return
+        if not isinstance(rule[key], str) or not rule[key]:
+            raise ValueError(f"'{key}' must be a non-empty string")
+
+    @staticmethod
+    def _status(rule: dict, key: str, required: bool = False) -> None:
+        value = rule.get(key)
+        if value is None:
+            if required:
+                raise ValueError(f"'{key}' is required")
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or not 400 <= value <= 599:
+            raise ValueError(f"'{key}' must be an HTTP error status (400-599)")
+
+    @staticmethod
+    def _seconds(rule: dict, required: bool) -> None:
+        value = rule.get("seconds")
+        if value is None:
+            if required:
+                raise ValueError("'seconds' is required")
+            return
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 24 * 3600:
+            raise ValueError("'seconds' must be a number of seconds (0 < seconds <= 86400)")
+
+    @staticmethod
+    def _regex(rule: dict, key: str) -> None:
+        if key in rule:
+            Faults._str(rule, key)
+            try:
+                re.compile(rule[key])
+            except re.error as exc:
+                raise ValueError(f"'{key}' is not a regular expression: {exc}") from None
+
+    @staticmethod
+    def _operation(rule: dict) -> None:
+        if rule.get("operation") not in Faults.OPERATIONS:
+            raise ValueError(f"'operation' must be one of {list(Faults.OPERATIONS)}")
+
+    @staticmethod
+    def _check_insert_fails_after_accept(rule: dict) -> None:
+        Faults._keys(rule, {"code", "message", "leave_instance", "http_status"})
+        Faults._str(rule, "code")
+        Faults._str(rule, "message")
+        Faults._status(rule, "http_status")
+        if "leave_instance" in rule and not isinstance(rule["leave_instance"], bool):
             raise ValueError("leave_instance must be a boolean")
 
-    KINDS = {"insert_fails_after_accept": _check_insert_fails_after_accept}
+    @staticmethod
+    def _check_http_errors(rule: dict) -> None:
+        Faults._keys(rule, {"method", "path_regex", "status", "reason", "message", "retry_after"})
+        Faults._status(rule, "status", required=True)
+        if "method" in rule and rule["method"] not in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            raise ValueError("'method' must be GET, POST, PUT, PATCH or DELETE")
+        Faults._regex(rule, "path_regex")
+        Faults._str(rule, "reason")
+        Faults._str(rule, "message")
+        retry_after = rule.get("retry_after")
+        if retry_after is not None and (
+            not isinstance(retry_after, int) or isinstance(retry_after, bool) or retry_after < 0
+        ):
+            raise ValueError("'retry_after' must be a whole number of seconds")
+
+    @staticmethod
+    def _check_insert_rejected(rule: dict) -> None:
+        Faults._keys(rule, {"preset", "reason", "status", "message", "name_regex"})
+        if "preset" in rule and rule["preset"] not in INSERT_REJECTIONS:
+            raise ValueError(f"'preset' must be one of {sorted(INSERT_REJECTIONS)}")
+        if "preset" not in rule:
+            Faults._str(rule, "reason", required=True)
+        Faults._str(rule, "reason")
+        Faults._str(rule, "message")
+        Faults._status(rule, "status")
+        Faults._regex(rule, "name_regex")
+
+    @staticmethod
+    def _check_operation_errors(rule: dict) -> None:
+        Faults._keys(rule, {"operation", "code", "message", "http_status", "leave_instance", "name_regex"})
+        Faults._operation(rule)
+        Faults._str(rule, "code")
+        Faults._str(rule, "message")
+        Faults._status(rule, "http_status")
+        Faults._regex(rule, "name_regex")
+        if "leave_instance" in rule:
+            if rule["operation"] != "insert":
+                raise ValueError("'leave_instance' only applies to insert")
+            if not isinstance(rule["leave_instance"], bool):
+                raise ValueError("leave_instance must be a boolean")
+
+    @staticmethod
+    def _check_operation_hangs(rule: dict) -> None:
+        Faults._keys(rule, {"operation", "seconds", "name_regex"})
+        Faults._operation(rule)
+        Faults._seconds(rule, required=False)
+        Faults._regex(rule, "name_regex")
+
+    @staticmethod
+    def _check_sshd(rule: dict) -> None:
+        Faults._keys(rule, {"seconds", "name_regex"})
+        Faults._seconds(rule, required=True)
+        Faults._regex(rule, "name_regex")
+
+    KINDS = {
+        "insert_fails_after_accept": _check_insert_fails_after_accept,
+        "http_errors": _check_http_errors,
+        "insert_rejected": _check_insert_rejected,
+        "operation_errors": _check_operation_errors,
+        "operation_hangs": _check_operation_hangs,
+        "ssh_refused": _check_sshd,
+        "ssh_banner_timeout": _check_sshd,
+    }
+    # Kinds whose rules without `count` stay on until replaced (kept as it always was).
+    STICKY = {"insert_fails_after_accept"}
 
     def replace(self, settings: object) -> dict:
         if not isinstance(settings, dict):
             raise errors.invalid("Faults must be a JSON object.")
+        rules: dict[str, list[dict]] = {}
+        listed = set()
         for kind, value in settings.items():
             if kind not in self.KINDS:
                 raise errors.invalid(f"Unknown fault '{kind}'. Known: {sorted(self.KINDS)}.")
-            if not isinstance(value, dict):
-                raise errors.invalid(f"Fault '{kind}' must be a JSON object.")
-            count = value.get("count")
-            if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
-                raise errors.invalid(f"Fault '{kind}': count must be a positive integer.")
-            try:
-                self.KINDS[kind](value)
-            except ValueError as exc:
-                raise errors.invalid(f"Fault '{kind}': {exc}.") from None
+            if isinstance(value, list):
+                listed.add(kind)
+            elif isinstance(value, dict):
+                value = [value]
+            else:
+                raise errors.invalid(f"Fault '{kind}' must be a JSON object or a list of them.")
+            rules[kind] = []
+            for i, rule in enumerate(value):
+                where = f"Fault '{kind}'" + (f" rule {i}" if kind in listed else "")
+                if not isinstance(rule, dict):
+                    raise errors.invalid(f"{where} must be a JSON object.")
+                count = rule.get("count")
+                if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+                    raise errors.invalid(f"{where}: count must be a positive integer.")
+                try:
+                    self.KINDS[kind](rule)
+                except ValueError as exc:
+                    raise errors.invalid(f"{where}: {exc}.") from None
+                rule = copy.deepcopy(rule)
+                if "count" not in rule and kind not in self.STICKY:
+                    rule["count"] = 1
+                rules[kind].append(rule)
+            if not rules[kind]:
+                del rules[kind]
         with self._lock:
-            self._settings = copy.deepcopy(settings)
-            return copy.deepcopy(self._settings)
+            for kind in self.KINDS:
+                if kind not in rules:
+                    self._cleared[kind] = self._cleared.get(kind, 0) + 1
+            self._rules = rules
+            self._listed = listed
+            return self._render()
+
+    def _render(self) -> dict:
+        return {
+            kind: copy.deepcopy(rules if kind in self._listed else rules[0]) for kind, rules in self._rules.items()
+        }
 
     def current(self) -> dict:
         with self._lock:
-            return copy.deepcopy(self._settings)
+            return self._render()
 
-    def take(self, kind: str) -> dict | None:
-        """The settings of `kind` if it is on, counting one use."""
+    def cleared(self, kind: str) -> int:
+        """How many times the faults were replaced by settings without `kind` (a hang ends then)."""
         with self._lock:
-            value = self._settings.get(kind)
-            if value is None:
-                return None
-            if "count" in value:
-                value["count"] -= 1
-                if value["count"] <= 0:
-                    del self._settings[kind]
-            return copy.deepcopy(value)
+            return self._cleared.get(kind, 0)
+
+    def take(self, kind: str, match=None, *, name: str | None = None, operation: str | None = None) -> dict | None:
+        """The first rule of `kind` that applies, counting one use of it; None if none does.
+
+        A rule applies if `match(rule)` (when given) is true, its `name_regex` finds `name` and
+        its `operation` is `operation`.
+        """
+        with self._lock:
+            rules = self._rules.get(kind) or []
+            for rule in rules:
+                if "operation" in rule and rule["operation"] != operation:
+                    continue
+                if "name_regex" in rule and (name is None or not re.search(rule["name_regex"], name)):
+                    continue
+                if match is not None and not match(rule):
+                    continue
+                taken = copy.deepcopy(rule)
+                if "count" in rule:
+                    rule["count"] -= 1
+                    if rule["count"] <= 0:
+                        rules.remove(rule)
+                        if not rules:
+                            del self._rules[kind]
+                return taken
+            return None
+
+
+@dataclasses.dataclass
+class InsertFaults:
+    """The fault rules one instances.insert took (see Faults)."""
+
+    hang: dict | None = None
+    hang_epoch: int = 0
+    fail: dict | None = None
+    ssh_refused: dict | None = None
+    ssh_banner_timeout: dict | None = None
 
 
 class Instance:
@@ -190,6 +503,11 @@ class Instance:
         self.ip: str | None = None
         self.vm: SandboxVM | None = None
         self.deleting = False
+        # The time limit (scheduling.maxRunDuration or terminationTime) and what happens then.
+        self.run_duration: float | None = None  # seconds from each start (RUNNING)
+        self.termination_time: float | None = None  # epoch seconds
+        self.termination_action: str | None = None  # "DELETE" | "STOP"
+        self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
         self.work_lock = threading.Lock()
 
@@ -230,6 +548,8 @@ class ComputeEmulator:
         self.closing = False
         (state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
         (state_dir / "vms").mkdir(parents=True, exist_ok=True)
+        # Enforces VM time limits (scheduling.maxRunDuration / terminationTime).
+        threading.Thread(target=self._time_limit_loop, name="time-limits", daemon=True).start()
 
     # ----- routing -------------------------------------------------------------------------
 
@@ -375,7 +695,16 @@ class ComputeEmulator:
             if (project, zone, name) in self.instances:
                 raise errors.already_exists(path)
             resource, image_dir = self._new_instance_resource(project, zone, body)
+            scheduling = resource["scheduling"]
+            if rejection := self.faults.take("insert_rejected", name=name):
+                raise self._insert_rejection(rejection, project, zone, body)
             inst = Instance(project, zone, name, resource, image_dir)
+            inst.termination_action = scheduling.get("instanceTerminationAction")
+            if "maxRunDuration" in scheduling:
+                duration = scheduling["maxRunDuration"]
+                inst.run_duration = int(duration["seconds"]) + duration.get("nanos", 0) / 1e9
+            if "terminationTime" in scheduling:
+                inst.termination_time = parse_rfc3339(scheduling["terminationTime"])
             inst.ip = self._allocate_ip()
             nic = resource["networkInterfaces"][0]
             nic["networkIP"] = inst.ip
@@ -383,9 +712,36 @@ class ComputeEmulator:
                 nic["accessConfigs"][0]["natIP"] = inst.ip
             self.instances[(project, zone, name)] = inst
             op = self._new_operation(inst, "insert", request_id)
-            fault = self.faults.take("insert_fails_after_accept")
-        self._spawn(self._run_insert, inst, op, fault)
+            faults = InsertFaults(
+                hang=self.faults.take("operation_hangs", name=name, operation="insert"),
+                hang_epoch=self.faults.cleared("operation_hangs"),
+                fail=self.faults.take("insert_fails_after_accept")
+                or self.faults.take("operation_errors", name=name, operation="insert"),
+            )
+            if faults.fail is None:
+                faults.ssh_refused = self.faults.take("ssh_refused", name=name)
+                faults.ssh_banner_timeout = self.faults.take("ssh_banner_timeout", name=name)
+        self._spawn(self._run_insert, inst, op, faults)
         return copy.deepcopy(op)
+
+    def _insert_rejection(self, rule: dict, project: str, zone: str, body: dict) -> ApiError:
+        status, reason, message = INSERT_REJECTIONS.get(rule.get("preset", ""), (400, "invalid", ""))
+        status = rule.get("status", status)
+        reason = rule.get("reason", reason)
+        message = rule.get("message") or message or f"localcloud: injected insert rejection ({reason})."
+        values = (body.get("reservationAffinity") or {}).get("values") or ["-"]
+        return ApiError(
+            status,
+            reason,
+            fill(
+                message,
+                project=project,
+                zone=zone,
+                region=region_of(zone),
+                name=body["name"],
+                reservation=values[0].rsplit("/", 1)[-1],
+            ),
+        )
 
     def _new_instance_resource(self, project: str, zone: str, body: dict) -> tuple[dict, Path | None]:
         """Semantic checks of an insert body, and the stored resource with GCE's own fields."""
@@ -433,13 +789,7 @@ class ComputeEmulator:
             labelFingerprint=new_fingerprint(),
             metadata=_stored_metadata(metadata),
             tags={**(body.get("tags") or {}), "fingerprint": new_fingerprint()},
-            scheduling={
-                "onHostMaintenance": "MIGRATE",
-                "automaticRestart": True,
-                "preemptible": False,
-                "provisioningModel": "STANDARD",
-                **(body.get("scheduling") or {}),
-            },
+            scheduling=self._scheduling(body.get("scheduling") or {}),
             reservationAffinity=body.get("reservationAffinity") or {"consumeReservationType": "ANY_RESERVATION"},
         )
         for i, nic in enumerate(resource["networkInterfaces"]):
@@ -509,6 +859,83 @@ class ComputeEmulator:
         raise errors.invalid_field_value(f"{field}.initializeParams.sourceImage", source, "Invalid image URL.")
 
     @staticmethod
+    def _scheduling(requested: dict) -> dict:
+        """The stored `scheduling` of a new instance, after the API's checks of its time limit.
+
+        Compute Engine accepts a time limit (maxRunDuration, or terminationTime) only with an
+        instanceTerminationAction, never both kinds, and only between 30 seconds and 120 days;
+        a termination action without a time limit only with the Spot, Reservation-Bound or
+        Flex Start provisioning model.
+        """
+        scheduling = {
+            "onHostMaintenance": "MIGRATE",
+            "automaticRestart": True,
+            "preemptible": False,
+            "provisioningModel": "STANDARD",
+            **{k: copy.deepcopy(v) for k, v in requested.items() if v is not None},
+        }
+        field = "resource.scheduling"
+        action = scheduling.get("instanceTerminationAction")
+        if action == "INSTANCE_TERMINATION_ACTION_UNSPECIFIED":
+            del scheduling["instanceTerminationAction"]
+            action = None
+        duration = scheduling.get("maxRunDuration")
+        termination_time = scheduling.get("terminationTime")
+        if duration is not None:
+            seconds, nanos = int(duration.get("seconds") or 0), int(duration.get("nanos") or 0)
+            if not 0 <= nanos <= 999_999_999:
+                raise errors.invalid_field_value(
+                    f"{field}.maxRunDuration.nanos", nanos, "Must be from 0 to 999,999,999 inclusive."
+                )
+            if not MIN_RUN_SECONDS <= seconds + nanos / 1e9 <= MAX_RUN_SECONDS:
+                raise errors.invalid_field_value(
+                    f"{field}.maxRunDuration.seconds",
+                    duration.get("seconds"),
+                    "The max run duration must be between 30 seconds and 120 days.",
+                )
+            # Stored like the API returns a Duration: int64 seconds as a string, nanos if any.
+            scheduling["maxRunDuration"] = {"seconds": str(seconds), **({"nanos": nanos} if nanos else {})}
+        if termination_time is not None:
+            when = parse_rfc3339(termination_time)
+            if when is None:
+                raise errors.invalid_field_value(
+                    f"{field}.terminationTime", termination_time, "Must be a timestamp in RFC 3339 format."
+                )
+            if not MIN_RUN_SECONDS <= when - time.time() <= MAX_RUN_SECONDS:
+                raise errors.invalid_field_value(
+                    f"{field}.terminationTime",
+                    termination_time,
+                    "The termination time must be between 30 seconds and 120 days from now.",
+                )
+        if duration is not None and termination_time is not None:
+            raise errors.invalid_field_value(
+                f"{field}.terminationTime",
+                termination_time,
+                "Only one of maxRunDuration and terminationTime can be specified.",
+            )
+        if (duration is not None or termination_time is not None) and action is None:
+            raise errors.invalid_field_value(
+                f"{field}.instanceTerminationAction",
+                "",
+                "An instance termination action (STOP or DELETE) must be specified with "
+                "maxRunDuration or terminationTime.",
+            )
+        if (
+            action is not None
+            and duration is None
+            and termination_time is None
+            and scheduling["provisioningModel"] == "STANDARD"
+        ):
+            raise errors.invalid_field_value(
+                f"{field}.instanceTerminationAction",
+                action,
+                "You cannot specify a termination action for a VM instance that has the standard "
+                "provisioning model (default). To use instance termination action, the VM instance must "
+                "use the Spot, Reservation-Bound or Flex Start provisioning model.",
+            )
+        return scheduling
+
+    @staticmethod
     def _check_labels(labels: dict, field: str) -> None:
         if len(labels) > 64:
             raise errors.invalid_field_value(field, "", "Too many labels: at most 64.")
@@ -560,10 +987,14 @@ class ComputeEmulator:
                     "resourceInUseByAnotherResource",
                     "Invalid resource usage: 'Resource cannot be deleted if it's protected against deletion.'.",
                 )
+            previous_status = inst.status
             inst.deleting = True
             inst.resource["status"] = "STOPPING"
             op = self._new_operation(inst, "delete", request_id)
-        self._spawn(self._run_delete, inst, op)
+            hang = self.faults.take("operation_hangs", name=inst.name, operation="delete")
+            hang_epoch = self.faults.cleared("operation_hangs")
+            fail = self.faults.take("operation_errors", name=inst.name, operation="delete")
+        self._spawn(self._run_delete, inst, op, hang, hang_epoch, fail, previous_status)
         return copy.deepcopy(op)
 
     def set_metadata(self, project: str, zone: str, instance: str, req: Request) -> dict:
@@ -703,15 +1134,14 @@ class ComputeEmulator:
             if op["status"] != "DONE":
                 self._op_done(op, ("INTERNAL_ERROR", f"localcloud: {exc}"), 500)
 
-    def _run_insert(self, inst: Instance, op: dict, fault: dict | None) -> None:
+    def _run_insert(self, inst: Instance, op: dict, faults: InsertFaults) -> None:
         self._op_running(op)
-        if fault is not None:
+        if faults.hang is not None:
+            self._hang(faults.hang, faults.hang_epoch)
+        if faults.fail is not None:
+            fault = faults.fail
             code = fault.get("code", "ZONE_RESOURCE_POOL_EXHAUSTED")
-            message = fault.get(
-                "message",
-                f"The zone 'projects/{inst.project}/zones/{inst.zone}' does not have enough resources "
-                "available to fulfill the request.  Try a different zone, or try again later.",
-            )
+            message = fault.get("message") or self._operation_message(code, inst)
             with self.lock:
                 if fault.get("leave_instance"):
                     # A stopped instance keeps its internal IP but loses its ephemeral external IP.
@@ -723,6 +1153,8 @@ class ComputeEmulator:
                     self._release_ip(inst.ip)
             self._op_done(op, (code, message), fault.get("http_status"))
             return
+        refuse_for = faults.ssh_refused["seconds"] if faults.ssh_refused else None
+        hang_for = faults.ssh_banner_timeout["seconds"] if faults.ssh_banner_timeout else None
         try:
             with inst.work_lock:
                 with self.lock:
@@ -734,13 +1166,13 @@ class ComputeEmulator:
                 inst.vm = vm
                 vm.prepare()
                 GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
-                vm.start()
-                vm.wait_ready(self.vm_ready_timeout)
-                with self.lock:
-                    if not inst.deleting:
-                        inst.resource["status"] = "RUNNING"
-                        inst.resource["lastStartTimestamp"] = now_rfc3339()
-                        inst.resource["cpuPlatform"] = "Intel Emerald Rapids"
+                if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
+                    vm.start()
+                    vm.wait_ready(self.vm_ready_timeout)
+                    if hang_for is not None:
+                        vm.pause_sshd()
+                with self.changed:
+                    running_since = self._mark_running(inst) if not inst.deleting else None
         except Exception as exc:
             log.exception("insert of %s failed", inst.path)
             with self.lock:
@@ -754,16 +1186,113 @@ class ComputeEmulator:
             self._op_done(op, ("INTERNAL_ERROR", f"localcloud: VM failed to start: {exc}"))
             return
         self._op_done(op)
+        if running_since is not None and (refuse_for is not None or hang_for is not None):
+            threading.Thread(
+                target=self._sshd_faults, args=(inst, vm, refuse_for, hang_for, running_since), daemon=True
+            ).start()
 
-    def _run_delete(self, inst: Instance, op: dict) -> None:
+    def _mark_running(self, inst: Instance) -> float:
+        """RUNNING from now (under the lock); arms the instance's time limit. Returns the time."""
+        now = time.time()
+        inst.resource["status"] = "RUNNING"
+        inst.resource["lastStartTimestamp"] = rfc3339(now)
+        inst.resource["cpuPlatform"] = "Intel Emerald Rapids"
+        if inst.termination_action and (inst.run_duration is not None or inst.termination_time is not None):
+            # Compute Engine counts a maxRunDuration from each start; it reports the planned time in
+            # resourceStatus.scheduling.terminationTimestamp while the instance runs.
+            inst.terminate_at = now + inst.run_duration if inst.run_duration is not None else inst.termination_time
+            status = inst.resource.setdefault("resourceStatus", {}).setdefault("scheduling", {})
+            status["terminationTimestamp"] = rfc3339(inst.terminate_at)
+        self.changed.notify_all()
+        return now
+
+    def _operation_message(self, code: str, inst: Instance) -> str:
+        template = _OPERATION_ERROR_MESSAGES.get(code, "localcloud: injected operation error {code}.")
+        return fill(
+            template, code=code, project=inst.project, zone=inst.zone, region=region_of(inst.zone), name=inst.name
+        )
+
+    def _hang(self, rule: dict, epoch: int) -> None:
+        """Keep the calling operation RUNNING for the rule's `seconds`, or until operation_hangs
+        is cleared (a POST of faults without it), whichever comes first."""
+        seconds = rule.get("seconds")
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self.changed:
+            while not self.closing and self.faults.cleared("operation_hangs") == epoch:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self.changed.wait(left)
+
+    def _current(self, inst: Instance, vm: SandboxVM) -> bool:
+        """Whether `vm` is still the running VM of the live instance `inst` (under the lock)."""
+        key = (inst.project, inst.zone, inst.name)
+        return self.instances.get(key) is inst and inst.vm is vm and inst.status == "RUNNING" and not inst.deleting
+
+    def _wait_while_current(self, inst: Instance, vm: SandboxVM, until: float) -> bool:
+        with self.changed:
+            while not self.closing and self._current(inst, vm):
+                left = until - time.time()
+                if left <= 0:
+                    return True
+                self.changed.wait(left)
+            return False
+
+    def _sshd_faults(
+        self, inst: Instance, vm: SandboxVM, refuse_for: float | None, hang_for: float | None, since: float
+    ) -> None:
+        """ssh_refused: start sshd `refuse_for` seconds after RUNNING; ssh_banner_timeout: let a
+        frozen sshd go on `hang_for` seconds after it became reachable."""
+        try:
+            if refuse_for is not None:
+                if not self._wait_while_current(inst, vm, since + refuse_for):
+                    return
+                with inst.work_lock:
+                    with self.lock:
+                        if not self._current(inst, vm):
+                            return
+                    vm.start()
+                    vm.wait_ready(self.vm_ready_timeout)
+                    if hang_for is not None:
+                        vm.pause_sshd()
+                since = time.time()
+            if hang_for is not None:
+                self._wait_while_current(inst, vm, since + hang_for)
+                with inst.work_lock:
+                    vm.resume_sshd()  # a no-op once the VM is gone
+        except Exception:
+            log.exception("late sshd of %s failed", inst.path)
+
+    def _run_delete(
+        self,
+        inst: Instance,
+        op: dict,
+        hang: dict | None = None,
+        hang_epoch: int = 0,
+        fail: dict | None = None,
+        previous_status: str = "RUNNING",
+    ) -> None:
         self._op_running(op)
+        if hang is not None:
+            self._hang(hang, hang_epoch)
+        if fail is not None:
+            # The delete failed: the instance stays as it was, its VM still running.
+            code = fail.get("code", "INTERNAL_ERROR")
+            with self.changed:
+                inst.deleting = False
+                if inst.status == "STOPPING":
+                    inst.resource["status"] = previous_status
+                self.changed.notify_all()
+            self._op_done(op, (code, fail.get("message") or self._operation_message(code, inst)), fail.get("http_status"))
+            return
         with inst.work_lock:
             if inst.vm is not None:
                 inst.vm.destroy(self.state_dir / "deleted", keep_shm=self.keep_deleted_shm)
             inst.vm = None
         with self.lock:
-            self.instances.pop((inst.project, inst.zone, inst.name), None)
-            self._release_ip(inst.ip)
+            if self.instances.get((inst.project, inst.zone, inst.name)) is inst:
+                self.instances.pop((inst.project, inst.zone, inst.name))
+                self._release_ip(inst.ip)
         self._op_done(op)
 
     def _run_set_metadata(self, inst: Instance, op: dict) -> None:
@@ -771,9 +1300,126 @@ class ComputeEmulator:
         with inst.work_lock:
             with self.lock:
                 metadata = copy.deepcopy(inst.resource["metadata"])
-            if inst.vm is not None and inst.vm.alive():
+            # Also a VM whose sshd has not started yet (ssh_refused) or that is stopped: the guest
+            # agent applies the keys when it runs.
+            if inst.vm is not None and inst.vm.root.is_dir():
                 GuestAccounts(inst.vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
         self._op_done(op)
+
+    # ----- time limits and the cloud's own terminations -------------------------------------
+
+    def _time_limit_loop(self) -> None:
+        """Carry out each RUNNING instance's termination action at its time limit, promptly
+        (Compute Engine may take up to 30 s more; this acts within a fraction of a second)."""
+        with self.changed:
+            while not self.closing:
+                now = time.time()
+                soonest = None
+                for inst in list(self.instances.values()):
+                    if inst.terminate_at is None or inst.deleting or inst.status != "RUNNING":
+                        continue
+                    if inst.terminate_at <= now:
+                        action = inst.termination_action or "STOP"
+                        log.info("%s reached its time limit: %s", inst.path, action)
+                        self._begin_termination(inst, action)
+                        threading.Thread(target=self._finish_termination, args=(inst, action), daemon=True).start()
+                    elif soonest is None or inst.terminate_at < soonest:
+                        soonest = inst.terminate_at
+                self.changed.wait(None if soonest is None else max(soonest - now, 0.01))
+
+    def _begin_termination(self, inst: Instance, action: str) -> None:
+        """The first half of a termination by the cloud (under the lock): STOPPING."""
+        inst.terminate_at = None
+        scheduling_status = (inst.resource.get("resourceStatus") or {}).get("scheduling") or {}
+        scheduling_status.pop("terminationTimestamp", None)
+        inst.resource["status"] = "STOPPING"
+        if action == "DELETE":
+            inst.deleting = True
+        self.changed.notify_all()
+
+    def _finish_termination(self, inst: Instance, action: str) -> None:
+        """DELETE: the VM's processes die and the instance is gone, as by instances.delete.
+        STOP: the VM's processes die, the instance stays TERMINATED (its files, internal IP and
+        configuration kept; the ephemeral external IP released)."""
+        try:
+            with inst.work_lock:
+                if action == "DELETE":
+                    if inst.vm is not None:
+                        inst.vm.destroy(self.state_dir / "deleted", keep_shm=self.keep_deleted_shm)
+                    inst.vm = None
+                elif inst.vm is not None:
+                    inst.vm.stop()
+        finally:
+            with self.changed:
+                key = (inst.project, inst.zone, inst.name)
+                if action == "DELETE":
+                    if self.instances.get(key) is inst:
+                        self.instances.pop(key)
+                        self._release_ip(inst.ip)
+                elif not inst.deleting:
+                    inst.resource["status"] = "TERMINATED"
+                    inst.resource["lastStopTimestamp"] = now_rfc3339()
+                    for access in inst.resource["networkInterfaces"][0].get("accessConfigs") or []:
+                        access.pop("natIP", None)
+                self.changed.notify_all()
+
+    def terminate(self, name: str, action: str, project: str | None = None, zone: str | None = None) -> dict:
+        """Terminate an instance the way the cloud itself does (preemption, its time limit):
+        no API call, no operation; returns when done."""
+        if action not in ("DELETE", "STOP"):
+            raise errors.invalid(f"Unknown action '{action}': DELETE or STOP.")
+        with self.changed:
+            found = [
+                i
+                for i in self.instances.values()
+                if i.name == name and project in (None, i.project) and zone in (None, i.zone)
+            ]
+            if not found:
+                raise ApiError(404, "notFound", f"localcloud: no instance named '{name}'.")
+            if len(found) > 1:
+                raise errors.invalid(f"Several instances are named '{name}': give project and zone.")
+            inst = found[0]
+            if inst.deleting:
+                raise errors.not_ready(inst.path)
+            if action == "STOP" and inst.status != "RUNNING":
+                raise errors.invalid(f"Instance '{inst.path}' is {inst.status}: only a RUNNING instance stops.")
+            self._begin_termination(inst, action)
+        self._finish_termination(inst, action)
+        with self.lock:
+            status = "DELETED" if action == "DELETE" else inst.status
+        return {"name": inst.name, "project": inst.project, "zone": inst.zone, "action": action, "status": status}
+
+    def set_faults(self, settings: object) -> dict:
+        current = self.faults.replace(settings if settings is not None else {})
+        with self.changed:
+            self.changed.notify_all()  # a hang may end (operation_hangs cleared)
+        return current
+
+    def http_fault(self, method: str, path: str) -> ApiError | None:
+        """The error an http_errors rule injects into this API request, if one matches."""
+        rule = self.faults.take(
+            "http_errors",
+            lambda r: r.get("method", method) == method and re.search(r.get("path_regex", ""), path) is not None,
+        )
+        if rule is None:
+            return None
+        status = rule["status"]
+        reason = rule.get("reason") or _HTTP_ERROR_REASONS.get(status, "backendError" if status >= 500 else "invalid")
+        project = re.search(r"/projects/([^/]+)", path)
+        message = fill(
+            rule.get("message") or _HTTP_ERROR_MESSAGES.get(status) or f"localcloud: injected HTTP {status} error.",
+            project=project.group(1) if project else "-",
+            project_number=zlib.crc32(project.group(1).encode()) + 10**11 if project else 0,
+        )
+        retry_after = rule.get("retry_after", 1 if status == 429 else None)
+        return ApiError(
+            status,
+            reason,
+            message,
+            status=_HTTP_ERROR_STATUS.get(status),
+            domain="usageLimits" if status == 429 else ("global" if status in _HTTP_ERROR_STATUS else None),
+            headers={"Retry-After": str(retry_after)} if retry_after is not None else None,
+        )
 
     def _allocate_ip(self) -> str:
         """Lowest free 127.0.0.N (N >= 2): leased by no emulator on this machine, port 22 bindable.
@@ -809,12 +1455,13 @@ class ComputeEmulator:
     # ----- emulator control ----------------------------------------------------------------
 
     def vms(self) -> list[dict]:
+        """The VMs that run: live sshd processes, and RUNNING instances whose sshd has not
+        started yet (ssh_refused; their `pid` and `sshd_pid` are null)."""
         with self.lock:
-            instances = list(self.instances.values())
+            instances = [(inst, inst.vm, inst.status) for inst in self.instances.values()]
         result = []
-        for inst in instances:
-            vm = inst.vm
-            if vm is None or not vm.alive():
+        for inst, vm, status in instances:
+            if vm is None or not (vm.alive() or (status == "RUNNING" and vm.proc is None)):
                 continue
             users = GuestAccounts(vm.root, None).managed_users()
             result.append(
@@ -908,11 +1555,18 @@ class ControlApi:
             emulator.request_log.clear()
             return 200, {}
         if what == "faults" and method == "POST":
-            return 200, emulator.faults.replace(body if body is not None else {})
+            return 200, emulator.set_faults(body)
         if what == "faults" and method == "GET":
             return 200, emulator.faults.current()
         if what == "vms" and method == "GET":
             return 200, emulator.vms()
+        if (m := re.fullmatch(r"vms/([^/]+)/terminate", what)) and method == "POST":
+            # {"action": "DELETE" | "STOP", "project"?: ..., "zone"?: ...}: as the cloud does it.
+            body = body if body is not None else {}
+            if not isinstance(body, dict) or set(body) - {"action", "project", "zone"}:
+                raise ApiError(400, "invalid", 'Expected {"action": "DELETE" | "STOP", "project"?, "zone"?}.')
+            name = unquote(m.group(1))
+            return 200, emulator.terminate(name, body.get("action", "DELETE"), body.get("project"), body.get("zone"))
         if what == "images" and method == "POST":  # {"PROJECT/FAMILY": "/abs/image/dir"}, merged
             if not isinstance(body, dict) or not all(isinstance(v, str) and v.startswith("/") for v in body.values()):
                 raise ApiError(400, "invalid", "Expected {\"PROJECT/FAMILY\": \"/absolute/image/dir\"}.")
@@ -951,6 +1605,7 @@ class Handler(BaseHTTPRequestHandler):
         host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
         base = f"http://{host}{API_PREFIX}"
         body: object = None
+        extra_headers: dict[str, str] = {}
         try:
             if raw.strip():
                 try:
@@ -961,11 +1616,14 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith(CONTROL_PREFIX):
                 status, payload = self.control.dispatch(method, path, body)
             elif path.startswith(API_PREFIX):
+                if fault := self.emulator.http_fault(method, path):
+                    raise fault
                 status, payload = self.emulator.dispatch(method, path, Request(query, body, base))
             else:
                 raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server.")
         except ApiError as exc:
             status, payload = exc.code, exc.body()
+            extra_headers = exc.headers
         except Exception:
             log.error("unhandled error on %s %s:\n%s", method, self.path, traceback.format_exc())
             status, payload = 500, ApiError(500, "backendError", "Internal error (localcloud).").body()
@@ -985,6 +1643,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in extra_headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 

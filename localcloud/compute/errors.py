@@ -25,6 +25,8 @@ class ApiError(Exception):
         location_type: str | None = None,
         status: str | None = None,
         field: str | None = None,
+        domain: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -34,16 +36,19 @@ class ApiError(Exception):
         self.location_type = location_type
         self.status = status
         self.field = field
+        self.domain = domain
+        self.headers = dict(headers or {})  # extra response headers (Retry-After)
 
     def body(self) -> dict:
-        item = {"message": self.message, "domain": "global", "reason": self.reason}
+        item = {"message": self.message, "domain": self.domain or "global", "reason": self.reason}
         if self.location:
             item["location"] = self.location
             item["locationType"] = self.location_type or "parameter"
         error: dict = {"code": self.code, "message": self.message, "errors": [item]}
         if self.status:
             error["status"] = self.status
-            item.pop("domain")
+            if self.domain is None:
+                item.pop("domain")
         if self.field:
             error["details"] = [
                 {

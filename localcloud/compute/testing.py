@@ -45,8 +45,11 @@ def instance_body(
     machine_type: str = "ct6e-standard-8t",
     metadata: dict[str, str] | None = None,
     labels: dict[str, str] | None = None,
+    scheduling: dict | None = None,
 ) -> dict:
-    """An instances.insert body (REST JSON) that boots `image_key` ("PROJECT/FAMILY")."""
+    """An instances.insert body (REST JSON) that boots `image_key` ("PROJECT/FAMILY");
+    `scheduling` adds to (or overrides) its scheduling, e.g. a time limit:
+    {"maxRunDuration": {"seconds": 30}, "instanceTerminationAction": "DELETE"}."""
     image_project, family = image_key.split("/", 1)
     body = {
         "name": name,
@@ -64,7 +67,7 @@ def instance_body(
         "networkInterfaces": [
             {"network": "global/networks/default", "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]}
         ],
-        "scheduling": {"onHostMaintenance": "TERMINATE", "automaticRestart": False},
+        "scheduling": {"onHostMaintenance": "TERMINATE", "automaticRestart": False, **(scheduling or {})},
     }
     if metadata:
         body["metadata"] = {"items": [{"key": k, "value": v} for k, v in metadata.items()]}

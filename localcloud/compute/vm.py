@@ -190,6 +190,25 @@ class SandboxVM:
         self.pidns = _pidns(self.ns_init_pid) if self.ns_init_pid else None
         self._write_record()
 
+    def pause_sshd(self) -> bool:
+        """Freeze the VM's sshd (SIGSTOP): the kernel still completes TCP handshakes on port 22
+        and queues the connections, but no SSH banner is sent, like a hung sshd. False if there
+        is no sshd to freeze."""
+        return self._signal_sshd(signal.SIGSTOP)
+
+    def resume_sshd(self) -> bool:
+        """Let a frozen sshd go on (SIGCONT): it serves the queued connections, then new ones."""
+        return self._signal_sshd(signal.SIGCONT)
+
+    def _signal_sshd(self, signum: int) -> bool:
+        if not self.alive() or not self.ns_init_pid or _pidns(self.ns_init_pid) != self.pidns:
+            return False
+        try:
+            os.kill(self.ns_init_pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
     def log_tail(self, size: int = 2000) -> str:
         try:
             return (self.root / "sshd.log").read_text(errors="replace")[-size:]

@@ -6,6 +6,21 @@ from airflow.sdk import task
 from airflow.sdk.exceptions import AirflowFailException
 
 
+# XCom key under which a failed task leaves its error for check_run_outcome.
+FAILURE_KEY = "failure"
+
+
+def record_failure(context) -> None:
+    """on_failure_callback: keep the error, so the run's own error can name the cause."""
+    error = context.get("exception")
+    if error is not None:
+        text = f"{type(error).__name__}: {error}"
+        if len(text) > 2000:  # its first line says what failed, its end (a log tail) says why
+            first, _, rest = text.partition("\n")
+            text = f"{first[:500]}\n...\n{rest[-1500:]}"
+        context["ti"].xcom_push(key=FAILURE_KEY, value=text)
+
+
 def failed_tasks(states: dict[str, str | None], ignore: set[str]) -> dict[str, str | None]:
     return {task_id: state for task_id, state in sorted(states.items()) if task_id not in ignore and state != "success"}
 
@@ -20,4 +35,10 @@ def check_run_outcome(**context):
     if not_ok:
         listed = ", ".join(f"{task_id}={state}" for task_id, state in not_ok.items())
         vm = "the VM may still exist" if "delete_vm" in not_ok else "the VM was deleted"
-        raise AirflowFailException(f"The fine-tune did not complete ({listed}); {vm}")
+        causes = [
+            f"{task_id}: {reason}"
+            for task_id, state in not_ok.items()
+            if state == "failed" and (reason := ti.xcom_pull(task_ids=task_id, key=FAILURE_KEY))
+        ]
+        because = "\n".join(["", "Cause:", *causes]) if causes else ""
+        raise AirflowFailException(f"The fine-tune did not complete ({listed}); {vm}{because}")

@@ -124,4 +124,20 @@ def pipeline_params() -> dict[str, Param]:
         "poke_interval_seconds": _param(
             "poke_interval_seconds", "integer", "How often the training is checked.", TIMING, minimum=1
         ),
+        "stall_timeout_seconds": _param(
+            "stall_timeout_seconds", "integer", "Fail the run when no training step completes for this long.",
+            TIMING, minimum=10,
+        ),
+        "max_run_duration_minutes": _param(
+            "max_run_duration_minutes",
+            ["null", "integer"],
+            "The VM's lifetime (its expiry label; Compute Engine's maxRunDuration if enforced); "
+            "empty: every step's time limit added up, plus 30 minutes.",
+            TIMING,
+            minimum=1,
+        ),
+        "cloud_enforced_lifetime": _param(
+            "cloud_enforced_lifetime", "boolean",
+            "Let Compute Engine delete the VM at the end of its lifetime, even if Airflow is down.", TIMING,
+        ),
     }

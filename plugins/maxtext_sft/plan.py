@@ -43,4 +43,5 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
         "vm_name": spec.vm_name,
         "request_id": spec.request_id,
         "instance_body": spec.instance_body(),
+        "lifetime_minutes": spec.max_run_duration_minutes,
     }

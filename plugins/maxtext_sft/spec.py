@@ -60,7 +60,15 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "export_timeout_minutes": 60,
     "training_timeout_hours": 12,
     "poke_interval_seconds": 60,
+    "stall_timeout_seconds": 3600,  # no new training step for this long: the run fails
+    "max_run_duration_minutes": None,  # None: every step's time limit added up, plus a margin
+    "cloud_enforced_lifetime": True,  # the VM's scheduling.maxRunDuration (Compute Engine deletes it)
 }
+
+# What a VM's lifetime adds to the steps' time limits: boot, SSH, uploads, teardown.
+LIFETIME_MARGIN_MINUTES = 30
+# Compute Engine's limits for scheduling.maxRunDuration.
+MAX_RUN_DURATION_LIMITS_SECONDS = (30, 120 * 24 * 3600)
 
 # TPU runtime environment per machine type (the tutorial's TPU_* exports for ct6e-standard-8t).
 TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
@@ -188,6 +196,9 @@ class RunSpec:
     export_timeout_minutes: int
     training_timeout_hours: int
     poke_interval_seconds: int
+    stall_timeout_seconds: int
+    max_run_duration_minutes: int  # the VM's lifetime: its expiry label, and maxRunDuration if enforced
+    cloud_enforced_lifetime: bool
 
     # Paths on the VM (the tutorial's /dev/shm layout); with an output location, MaxText's run
     # folder and the export live in storage instead:
@@ -382,6 +393,12 @@ class RunSpec:
                 "instance_termination_action": "DELETE",
                 "on_host_maintenance": "TERMINATE",
                 "provisioning_model": "RESERVATION_BOUND",
+                # A hard lifetime: Compute Engine deletes the VM even if Airflow is gone.
+                **(
+                    {"max_run_duration": {"seconds": self.max_run_duration_minutes * 60}}
+                    if self.cloud_enforced_lifetime
+                    else {}
+                ),
             },
             # A stable tag a firewall rule can target, instead of the per-run VM name.
             "tags": {"items": [self.network_tag]},
@@ -586,5 +603,18 @@ def build_run_spec(
         export_timeout_minutes=_int_in(p, "export_timeout_minutes", 1, 24 * 60),
         training_timeout_hours=_int_in(p, "training_timeout_hours", 1, 24 * 14),
         poke_interval_seconds=_int_in(p, "poke_interval_seconds", 1, 3600),
+        stall_timeout_seconds=_int_in(p, "stall_timeout_seconds", 10, 7 * 24 * 3600),
+        max_run_duration_minutes=_lifetime_minutes(p),
+        cloud_enforced_lifetime=_bool(p, "cloud_enforced_lifetime"),
     )
+
+
+def _lifetime_minutes(p: Mapping[str, Any]) -> int:
+    """The VM's lifetime: the Param, or every step's time limit added up plus a margin."""
+    low, high = (limit // 60 for limit in MAX_RUN_DURATION_LIMITS_SECONDS)
+    if p.get("max_run_duration_minutes") is not None:
+        return _int_in(p, "max_run_duration_minutes", max(low, 1), high)
+    limits = [_int_in(p, f"{step}_timeout_minutes", 1, 24 * 60) for step in ("install", "convert", "export")]
+    training = _int_in(p, "training_timeout_hours", 1, 24 * 14) * 60
+    return min(sum(limits) + training + LIFETIME_MARGIN_MINUTES, high)
 

@@ -13,6 +13,13 @@ from localcloud.connections import LOCAL_RUN_CONF
 from tests.conftest import REPO
 
 
+def pytest_unconfigure(config):
+    """The fault matrix's tally is the test output's last line (when the matrix ran)."""
+    matrix = sys.modules.get("tests.dags.test_fault_matrix")
+    if matrix and matrix.TALLY["faults injected"]:
+        print(matrix.tally_line())
+
+
 @dataclasses.dataclass
 class PipelineRun:
     state: str

@@ -18,6 +18,7 @@ EXPLAINED_DIFFERENCES = {
     "tags": "a stable network tag Param instead of the per-run name",
     "metadata": "the pipeline's SSH key and the run's full identity",
     "serviceAccounts": "gcloud attaches the default service account; the capture endpoint had none",
+    "scheduling": "the tutorial's, plus maxRunDuration: a hard lifetime even if Airflow is gone",
 }
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +121,10 @@ def test_insert_body_on_the_wire_equals_the_tutorials_gcloud_request(happy_run, 
     # The explained differences are what they claim to be.
     assert ours["tags"] == {"items": ["maxtext-sft"]}
     assert ours["labels"]["managed-by"] == "airflow-maxtext-sft"
+    assert int(ours["labels"]["expires-at"]) > 0
+    lifetime = ours["scheduling"].pop("maxRunDuration")
+    assert ours["scheduling"] == gcloud_body["scheduling"]
+    assert int(lifetime["seconds"]) == (60 + 60 + 12 * 60 + 60 + 30) * 60  # the steps' limits, plus 30 min
     assert ours["serviceAccounts"][0]["scopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
     assert {item["key"] for item in ours["metadata"]["items"]} == {"ssh-keys", "airflow-dag-id", "airflow-run-id"}
 

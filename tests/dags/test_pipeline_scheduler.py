@@ -1,14 +1,18 @@
-"""The pipeline under Airflow's real scheduler (`airflow standalone`), for what dag.test() cannot do."""
+"""The pipeline under Airflow's real scheduler, for what dag.test() cannot do.
+
+Airflow runs as separate components (localcloud.airflow_harness) on the session's PostgreSQL
+server, each test with a database of its own."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+import uuid
 
 import pytest
 
-from localcloud.run_pipeline import Airflow
+from localcloud.airflow_harness import Airflow
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +28,16 @@ def wait_until(condition, timeout: float, what: str):
 
 
 @pytest.fixture
-def airflow(tmp_path, pipeline_connections):
-    instance = Airflow(tmp_path / "airflow-home", {**os.environ, **pipeline_connections})
-    instance.start()
-    yield instance
-    instance.stop()
+def airflow(tmp_path, pipeline_connections, postgres_server):
+    database = f"scheduler_{uuid.uuid4().hex[:8]}"
+    url = postgres_server.create_database(database)
+    instance = Airflow(tmp_path / "airflow-home", {**os.environ, **pipeline_connections}, database_url=url)
+    try:
+        instance.start()
+        yield instance
+    finally:
+        instance.stop()
+        postgres_server.drop_database(database)
 
 
 def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cloud):

@@ -83,6 +83,23 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def detached_sleepers(pidns: str, timeout: float = 10) -> list[int]:
+    """Host pids of the VM's detached `sleep 1000`, once it runs: it is exec'd a moment after
+    the SSH command that started it returned (longer on a loaded machine)."""
+
+    def found() -> list[int]:
+        pids = []
+        for pid in pids_in_namespace(pidns):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x001000\x00":
+                    pids.append(pid)
+            except OSError:
+                pass  # exited meanwhile
+        return pids
+
+    return poll(found, timeout)
+
+
 def body_for(name: str, **kwargs) -> dict:
     return instance_body(name, zone=ZONE, **kwargs)
 
@@ -399,7 +416,7 @@ def test_delete_kills_detached_processes_and_keeps_a_manifest(compute_cloud, com
         run(client, "setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
     vm = next(v for v in compute_cloud.vms() if v["name"] == name)
     pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")
-    sleepers = [p for p in pids_in_namespace(pidns) if Path(f"/proc/{p}/cmdline").read_bytes() == b"sleep\x001000\x00"]
+    sleepers = detached_sleepers(pidns)
     assert len(sleepers) == 1, "the detached process should run on the VM after the session ended"
 
     op = delete_and_wait(compute_discovery, name)
@@ -517,3 +534,452 @@ def test_list_paging_and_filter_syntax(compute_cloud, compute_instances_client, 
     finally:
         for name in names:
             delete_and_wait(compute_discovery, name)
+
+
+# ----- time limits (scheduling.maxRunDuration / terminationTime) ------------------------------
+
+
+def when(stamp: str) -> float:
+    return dt.datetime.fromisoformat(stamp).timestamp()
+
+
+def stamp(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def instance_or_none(discovery, name: str) -> dict | None:
+    try:
+        return discovery.instances().get(project=PROJECT, zone=ZONE, instance=name).execute()
+    except HttpError as exc:
+        if exc.resp.status == 404:
+            return None
+        raise
+
+
+def poll(condition, timeout: float, interval: float = 0.1):
+    """The first truthy value of `condition()`, polled every `interval` for up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not true after {timeout}s: {condition}"
+        time.sleep(interval)
+
+
+def test_time_limits_are_validated_like_the_api(compute_cloud, compute_discovery):
+    instances = compute_discovery.instances()
+    name = "lc-limit-bad"
+    in_a_minute, in_ten_seconds = stamp(time.time() + 60), stamp(time.time() + 10)
+    cases = [
+        ({"maxRunDuration": {"seconds": 29}, "instanceTerminationAction": "DELETE"},
+         "resource.scheduling.maxRunDuration.seconds", "between 30 seconds and 120 days"),
+        ({"maxRunDuration": {"seconds": "10368001"}, "instanceTerminationAction": "DELETE"},
+         "resource.scheduling.maxRunDuration.seconds", "between 30 seconds and 120 days"),
+        ({"maxRunDuration": {"seconds": 60}},
+         "resource.scheduling.instanceTerminationAction", "must be specified with maxRunDuration or terminationTime"),
+        ({"maxRunDuration": {"seconds": 60}, "instanceTerminationAction": "INSTANCE_TERMINATION_ACTION_UNSPECIFIED"},
+         "resource.scheduling.instanceTerminationAction", "must be specified with maxRunDuration or terminationTime"),
+        ({"terminationTime": in_a_minute},
+         "resource.scheduling.instanceTerminationAction", "must be specified with maxRunDuration or terminationTime"),
+        ({"maxRunDuration": {"seconds": 60}, "terminationTime": in_a_minute, "instanceTerminationAction": "STOP"},
+         "resource.scheduling.terminationTime", "Only one of maxRunDuration and terminationTime"),
+        ({"terminationTime": in_ten_seconds, "instanceTerminationAction": "STOP"},
+         "resource.scheduling.terminationTime", "between 30 seconds and 120 days from now"),
+        ({"terminationTime": "tomorrow noon", "instanceTerminationAction": "STOP"},
+         "resource.scheduling.terminationTime", "RFC 3339"),
+        ({"instanceTerminationAction": "DELETE"},
+         "resource.scheduling.instanceTerminationAction", "You cannot specify a termination action for a VM instance "
+         "that has the standard provisioning model (default)."),
+    ]
+    for scheduling, field, why in cases:
+        with pytest.raises(HttpError) as exc:
+            instances.insert(project=PROJECT, zone=ZONE, body=body_for(name, scheduling=scheduling)).execute()
+        error = error_of(exc.value)
+        assert (exc.value.resp.status, error["errors"][0]["reason"]) == (400, "invalid"), scheduling
+        assert error["message"].startswith(f"Invalid value for field '{field}': "), (scheduling, error["message"])
+        assert why in error["message"], (scheduling, error["message"])
+    assert instance_or_none(compute_discovery, name) is None
+
+    # Accepted: the tutorial's RESERVATION_BOUND + DELETE without a limit, and the longest limit.
+    # (Instance records without VMs: the inserts fail after being accepted.)
+    compute_cloud.set_faults({"insert_fails_after_accept": {"leave_instance": True, "count": 2}})
+    names = ["lc-limit-ok-1", "lc-limit-ok-2"]
+    try:
+        bodies = [
+            body_for(names[0], scheduling={"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"}),
+            body_for(names[1], scheduling={"maxRunDuration": {"seconds": "10368000", "nanos": 0}, "instanceTerminationAction": "STOP"}),
+        ]
+        for body in bodies:
+            wait(compute_discovery, instances.insert(project=PROJECT, zone=ZONE, body=body).execute())
+        stored = instance_or_none(compute_discovery, names[1])
+        assert stored["scheduling"]["maxRunDuration"] == {"seconds": "10368000"}
+        assert stored["scheduling"]["instanceTerminationAction"] == "STOP"
+        assert "terminationTimestamp" not in (stored.get("resourceStatus") or {}).get("scheduling", {})  # never ran
+    finally:
+        compute_cloud.set_faults({})
+        for done in names:
+            if instance_or_none(compute_discovery, done):
+                delete_and_wait(compute_discovery, done)
+
+
+def test_time_limits_delete_or_stop_the_vm_counted_from_running(compute_cloud, compute_vm, compute_discovery):
+    key = paramiko.ECDSAKey.generate()
+    deleted = compute_vm(
+        "lc-limit-delete",
+        metadata={"ssh-keys": ssh_keys_line("maxtext", key)},
+        scheduling={"maxRunDuration": {"seconds": 30}, "instanceTerminationAction": "DELETE"},
+    )
+    stopped = compute_vm("lc-limit-stop", scheduling={"maxRunDuration": {"seconds": "30"}, "instanceTerminationAction": "STOP"})
+    termination_time = time.time() + 32
+    timed = compute_vm(
+        "lc-limit-time", scheduling={"terminationTime": stamp(termination_time), "instanceTerminationAction": "DELETE"}
+    )
+
+    # The resource reports the limit, and the planned termination counted from RUNNING.
+    for instance, action in ((deleted, "DELETE"), (stopped, "STOP")):
+        assert instance["scheduling"]["maxRunDuration"] == {"seconds": "30"}
+        assert instance["scheduling"]["instanceTerminationAction"] == action
+        planned = when(instance["resourceStatus"]["scheduling"]["terminationTimestamp"])
+        assert abs(planned - (when(instance["lastStartTimestamp"]) + 30)) < 0.002
+    assert abs(when(timed["resourceStatus"]["scheduling"]["terminationTimestamp"]) - termination_time) < 0.002
+    assert when(timed["scheduling"]["terminationTime"]) == pytest.approx(termination_time, abs=0.002)
+
+    ip = deleted["networkInterfaces"][0]["networkIP"]
+    with ssh(ip, "maxtext", key) as client:
+        run(client, "setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
+    vm = next(v for v in compute_cloud.vms() if v["name"] == "lc-limit-delete")
+    # Its processes by pid: a PID namespace's inode number is soon reused by another VM's.
+    pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")
+    vm_pids = detached_sleepers(pidns) + pids_in_namespace(pidns)
+
+    # Poll the API until the three have ended; note when each was last seen RUNNING and first seen ended.
+    started = {i["name"]: when(i["lastStartTimestamp"]) for i in (deleted, stopped, timed)}
+    last_running: dict[str, float] = {}
+    ended: dict[str, tuple[float, dict | None]] = {}
+    deadline = time.monotonic() + 45
+    while len(ended) < 3 and time.monotonic() < deadline:
+        for name in started:
+            if name in ended:
+                continue
+            instance = instance_or_none(compute_discovery, name)
+            seen = time.time()
+            if instance is not None and instance["status"] == "RUNNING":
+                last_running[name] = seen
+            elif instance is None or instance["status"] == "TERMINATED":
+                ended[name] = (seen, instance)
+        time.sleep(0.1)
+    assert set(ended) == set(started), f"still there after 45 s: {set(started) - set(ended)}"
+
+    for name, limit in (("lc-limit-delete", started["lc-limit-delete"] + 30),
+                        ("lc-limit-stop", started["lc-limit-stop"] + 30),
+                        ("lc-limit-time", termination_time)):
+        seen, _ = ended[name]
+        # Not before the limit (last seen running just before it), and promptly after it.
+        assert last_running[name] > limit - 1.5, (name, last_running[name] - limit)
+        assert limit <= seen < limit + 3, (name, seen - limit)
+
+    # DELETE: gone like an API delete (404), its processes killed, port 22 closed, manifest kept.
+    assert ended["lc-limit-delete"][1] is None and ended["lc-limit-time"][1] is None
+    assert not any(running(p) for p in vm_pids)
+    assert not running(vm["pid"]) and not running(vm["sshd_pid"]) and not port_open(ip)
+    assert compute_cloud.deleted_manifest("lc-limit-delete") is not None
+    # STOP: TERMINATED, its VM down, no external IP, no planned termination any more.
+    stopped_now = ended["lc-limit-stop"][1]
+    assert stopped_now["status"] == "TERMINATED"
+    assert "natIP" not in stopped_now["networkInterfaces"][0]["accessConfigs"][0]
+    assert "terminationTimestamp" not in stopped_now["resourceStatus"]["scheduling"]
+    assert not port_open(stopped_now["networkInterfaces"][0]["networkIP"])
+    assert [v["name"] for v in compute_cloud.vms() if v["name"].startswith("lc-limit-")] == []
+    # The cloud acted on its own: nobody called instances.delete.
+    ended_by_the_cloud = ("/instances/lc-limit-delete", "/instances/lc-limit-time", "/instances/lc-limit-stop")
+    assert not [r for r in compute_cloud.requests() if r["method"] == "DELETE" and r["path"].endswith(ended_by_the_cloud)]
+    assert "error" not in delete_and_wait(compute_discovery, "lc-limit-stop")
+
+
+# ----- the cloud ending VMs by itself -----------------------------------------------------------
+
+
+def test_terminate_vm_like_the_cloud(compute_cloud, compute_vm, compute_discovery):
+    key = paramiko.ECDSAKey.generate()
+    doomed = compute_vm("lc-term-delete", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    stopping = compute_vm("lc-term-stop")
+    ip = doomed["networkInterfaces"][0]["networkIP"]
+    with ssh(ip, "maxtext", key) as client:
+        run(client, "setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
+    vm = next(v for v in compute_cloud.vms() if v["name"] == "lc-term-delete")
+    pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")
+    vm_pids = detached_sleepers(pidns) + pids_in_namespace(pidns)  # the detached sleep, sshd, ...
+
+    compute_cloud.clear_requests()
+    assert compute_cloud.terminate_vm("lc-term-delete", "DELETE")["status"] == "DELETED"
+    assert not any(running(p) for p in vm_pids) and not running(vm["pid"]) and not port_open(ip)
+    assert instance_or_none(compute_discovery, "lc-term-delete") is None
+    assert compute_cloud.deleted_manifest("lc-term-delete") is not None
+
+    assert compute_cloud.terminate_vm("lc-term-stop", "STOP", project=PROJECT, zone=ZONE)["status"] == "TERMINATED"
+    instance = instance_or_none(compute_discovery, "lc-term-stop")
+    assert instance["status"] == "TERMINATED" and "natIP" not in instance["networkInterfaces"][0]["accessConfigs"][0]
+    assert not port_open(stopping["networkInterfaces"][0]["networkIP"])
+    assert not any(v["name"].startswith("lc-term-") for v in compute_cloud.vms())
+
+    with pytest.raises(LocalCloudError, match="404"):
+        compute_cloud.terminate_vm("lc-term-delete")
+    with pytest.raises(LocalCloudError, match="(?s)400.*only a RUNNING instance stops"):
+        compute_cloud.terminate_vm("lc-term-stop", "STOP")
+    with pytest.raises(LocalCloudError, match="(?s)400.*DELETE or STOP"):
+        compute_cloud.terminate_vm("lc-term-stop", "SUSPEND")
+    # No API request and no operation: only the GETs of this test are logged.
+    assert {r["method"] for r in compute_cloud.requests()} == {"GET"}
+    assert "error" not in delete_and_wait(compute_discovery, "lc-term-stop")
+
+
+# ----- fault injection ------------------------------------------------------------------------
+
+
+def test_fault_settings_are_validated(compute_cloud):
+    bad = [
+        {"no_such_fault": {}},
+        {"http_errors": [{"status": 200}]},
+        {"http_errors": [{"status": 503, "path_regex": "("}]},
+        {"http_errors": {"status": 503, "bogus": 1}},
+        {"http_errors": [{"status": 429, "retry_after": "soon"}]},
+        {"insert_rejected": {}},
+        {"insert_rejected": {"preset": "no_such_preset"}},
+        {"operation_errors": {"operation": "setMetadata"}},
+        {"operation_errors": {"operation": "delete", "leave_instance": True}},
+        {"operation_hangs": {"operation": "insert", "seconds": -1}},
+        {"ssh_refused": {}},
+        {"ssh_refused": [1]},
+        {"ssh_banner_timeout": {"seconds": 5, "count": 0}},
+    ]
+    try:
+        kept = compute_cloud.set_faults({"ssh_refused": {"seconds": 5, "name_regex": "^nothing-here$"}})
+        assert kept == {"ssh_refused": {"seconds": 5, "name_regex": "^nothing-here$", "count": 1}}
+        for faults in bad:
+            with pytest.raises(LocalCloudError, match="faults: 400"):
+                compute_cloud.set_faults(faults)
+        assert compute_cloud.get_faults() == kept  # a refused POST changes nothing
+    finally:
+        assert compute_cloud.set_faults({}) == {}
+
+
+def test_http_errors_answer_in_the_api_error_shape(compute_cloud, compute_instances_client, compute_discovery):
+    missing = "lc-http-missing"  # no such instance: a request that gets through answers 404
+    compute_cloud.set_faults(
+        {
+            "http_errors": [
+                {"method": "GET", "path_regex": f"/instances/{missing}$", "status": 429, "count": 2},
+                {"method": "POST", "path_regex": "/instances$", "status": 503},
+                {"method": "DELETE", "path_regex": f"/instances/{missing}$", "status": 500, "message": "boom",
+                 "retry_after": 7},
+            ]
+        }
+    )
+    try:
+        with pytest.raises(HttpError) as exc:
+            compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance=missing).execute()
+        assert exc.value.resp.status == 429 and exc.value.resp["retry-after"] == "1"
+        error = error_of(exc.value)
+        assert (error["code"], error["status"]) == (429, "RESOURCE_EXHAUSTED")
+        assert error["errors"] == [{"message": error["message"], "domain": "usageLimits", "reason": "rateLimitExceeded"}]
+        assert error["message"].startswith("Quota exceeded for quota metric 'Queries' and limit 'Queries per minute'")
+
+        with pytest.raises(gexc.TooManyRequests) as too_many:
+            compute_instances_client.get(project=PROJECT, zone=ZONE, instance=missing)
+        assert too_many.value.errors[0]["reason"] == "rateLimitExceeded"
+        with pytest.raises(gexc.NotFound):  # the rule's count ran out
+            compute_instances_client.get(project=PROJECT, zone=ZONE, instance=missing)
+
+        with pytest.raises(HttpError) as exc:
+            compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for("lc-http-1")).execute()
+        error = error_of(exc.value)
+        assert (exc.value.resp.status, error["status"], error["errors"][0]["reason"]) == (503, "UNAVAILABLE", "backendError")
+        assert error["message"] == "The service is currently unavailable."
+        assert instance_or_none(compute_discovery, "lc-http-1") is None  # nothing was created
+
+        with pytest.raises(HttpError) as exc:
+            compute_discovery.instances().delete(project=PROJECT, zone=ZONE, instance=missing).execute()
+        assert exc.value.resp.status == 500 and exc.value.resp["retry-after"] == "7"
+        assert error_of(exc.value)["errors"] == [{"message": "boom", "domain": "global", "reason": "backendError"}]
+        assert compute_cloud.get_faults() == {}  # every rule used up
+    finally:
+        compute_cloud.set_faults({})
+    logged = [r["status"] for r in compute_cloud.requests() if "lc-http-" in r["path"] or (r["body"] or {}).get("name") == "lc-http-1"]
+    assert logged == [429, 429, 404, 503, 404, 500]
+
+
+def test_insert_rejected_synchronously(compute_cloud, compute_discovery):
+    instances = compute_discovery.instances()
+
+    def body(name):
+        body = body_for(name, scheduling={"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"})
+        body["reservationAffinity"] = {
+            "consumeReservationType": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": ["my-reservation"],
+        }
+        return body
+
+    zone_message = (
+        f"The zone 'projects/{PROJECT}/zones/{ZONE}' does not have enough resources available to fulfill the "
+        "request.  Try a different zone, or try again later."
+    )
+    cases = [
+        ({"preset": "reservation_no_capacity"}, 400, "invalid",
+         "Reservation my-reservation does not have sufficient capacity for the requested resources."),
+        ({"preset": "reservation_not_found"}, 400, "invalid",
+         "Could not find the given reservation with the following name: my-reservation"),
+        ({"preset": "quota_exceeded"}, 403, "quotaExceeded", "Quota 'CPUS' exceeded.  Limit: 0.0 in region us-east5."),
+        ({"preset": "zone_resource_pool_exhausted"}, 503, "ZONE_RESOURCE_POOL_EXHAUSTED", zone_message),
+        ({"reason": "quotaExceeded", "status": 403, "message": "Quota 'TPUS' exceeded."}, 403, "quotaExceeded",
+         "Quota 'TPUS' exceeded."),
+    ]
+    try:
+        for fault, status, reason, message in cases:
+            compute_cloud.set_faults({"insert_rejected": fault})
+            with pytest.raises(HttpError) as exc:
+                instances.insert(project=PROJECT, zone=ZONE, body=body("lc-rej-1")).execute()
+            error = error_of(exc.value)
+            assert (exc.value.resp.status, error["code"]) == (status, status), fault
+            assert error["errors"] == [{"message": message, "domain": "global", "reason": reason}], fault
+            assert compute_cloud.get_faults() == {}  # once by default
+            assert instance_or_none(compute_discovery, "lc-rej-1") is None
+
+        # count and name_regex; accepted inserts fail after the accept and leave records without VMs.
+        compute_cloud.set_faults(
+            {
+                "insert_rejected": {"preset": "quota_exceeded", "count": 2, "name_regex": "^lc-rej-a"},
+                "insert_fails_after_accept": {"leave_instance": True},
+            }
+        )
+        outcomes = {}
+        for name in ("lc-rej-b", "lc-rej-a1", "lc-rej-a2", "lc-rej-a3"):
+            try:
+                wait(compute_discovery, instances.insert(project=PROJECT, zone=ZONE, body=body(name)).execute())
+                outcomes[name] = "accepted"
+            except HttpError as exc:
+                outcomes[name] = exc.resp.status
+        assert outcomes == {"lc-rej-b": "accepted", "lc-rej-a1": 403, "lc-rej-a2": 403, "lc-rej-a3": "accepted"}
+    finally:
+        compute_cloud.set_faults({})
+        for name in ("lc-rej-b", "lc-rej-a3"):
+            if instance_or_none(compute_discovery, name):
+                delete_and_wait(compute_discovery, name)
+
+
+def test_operation_errors_and_hangs(compute_cloud, compute_vm, compute_discovery):
+    instances = compute_discovery.instances()
+
+    def operation(op):
+        return compute_discovery.zoneOperations().get(project=PROJECT, zone=ZONE, operation=op["name"]).execute()
+
+    try:
+        # insert: accepted, then DONE with the given error; nothing left behind.
+        compute_cloud.set_faults({"operation_errors": {"operation": "insert", "code": "QUOTA_EXCEEDED"}})
+        done = wait(compute_discovery, instances.insert(project=PROJECT, zone=ZONE, body=body_for("lc-op-1")).execute())
+        assert done["error"] == {
+            "errors": [{"code": "QUOTA_EXCEEDED", "message": "Quota 'CPUS' exceeded.  Limit: 0.0 in region us-east5."}]
+        }
+        assert (done["httpErrorStatusCode"], done["httpErrorMessage"]) == (403, "FORBIDDEN")
+        assert instance_or_none(compute_discovery, "lc-op-1") is None
+
+        # delete: DONE with an error; the instance and its VM stay up.
+        instance = compute_vm("lc-op-2")
+        ip = instance["networkInterfaces"][0]["networkIP"]
+        compute_cloud.set_faults({"operation_errors": {"operation": "delete", "name_regex": "^lc-op-2$"}})
+        done = delete_and_wait(compute_discovery, "lc-op-2")
+        [error] = done["error"]["errors"]
+        assert error["code"] == "INTERNAL_ERROR"
+        assert re.fullmatch(r"Internal error\. Please try again or contact Google Support\. \(Code: '-?\d+'\)", error["message"])
+        assert (done["httpErrorStatusCode"], done["httpErrorMessage"]) == (500, "INTERNAL SERVER ERROR")
+        assert instance_or_none(compute_discovery, "lc-op-2")["status"] == "RUNNING" and port_open(ip)
+
+        # delete hanging 2 s: the operation RUNNING, the instance STOPPING with its VM up; then deleted.
+        compute_cloud.set_faults({"operation_hangs": {"operation": "delete", "seconds": 2}})
+        begun = time.monotonic()
+        op = instances.delete(project=PROJECT, zone=ZONE, instance="lc-op-2").execute()
+        assert operation(op)["status"] == "RUNNING"
+        assert instance_or_none(compute_discovery, "lc-op-2")["status"] == "STOPPING" and port_open(ip)
+        done = wait(compute_discovery, op)
+        assert "error" not in done and time.monotonic() - begun >= 2
+        assert instance_or_none(compute_discovery, "lc-op-2") is None and not port_open(ip)
+
+        # insert hanging until the fault is cleared (then failing after the accept, as also set).
+        compute_cloud.set_faults(
+            {"operation_hangs": {"operation": "insert"}, "insert_fails_after_accept": {"leave_instance": True, "count": 1}}
+        )
+        op = instances.insert(project=PROJECT, zone=ZONE, body=body_for("lc-op-3")).execute()
+        held_until = time.monotonic() + 1.5
+        while time.monotonic() < held_until:  # it stays RUNNING, the instance PROVISIONING
+            assert operation(op)["status"] == "RUNNING"
+            assert instance_or_none(compute_discovery, "lc-op-3")["status"] == "PROVISIONING"
+            time.sleep(0.1)
+        compute_cloud.set_faults({})
+        released = time.monotonic()
+        done = wait(compute_discovery, op)
+        assert time.monotonic() - released < 2
+        assert done["error"]["errors"][0]["code"] == "ZONE_RESOURCE_POOL_EXHAUSTED"
+        assert instance_or_none(compute_discovery, "lc-op-3")["status"] == "TERMINATED"
+    finally:
+        compute_cloud.set_faults({})
+        if instance_or_none(compute_discovery, "lc-op-3"):
+            delete_and_wait(compute_discovery, "lc-op-3")
+
+
+def test_ssh_refused_until_sshd_starts_late(compute_cloud, compute_vm):
+    key = paramiko.ECDSAKey.generate()
+    compute_cloud.set_faults({"ssh_refused": {"seconds": 4, "name_regex": "^lc-late-sshd$"}})
+    try:
+        instance = compute_vm("lc-late-sshd", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    finally:
+        compute_cloud.set_faults({})
+    started = when(instance["lastStartTimestamp"])
+    ip = instance["networkInterfaces"][0]["networkIP"]
+    assert instance["status"] == "RUNNING"
+    # A running VM (it counts as one), whose port 22 refuses connections for now.
+    assert next(v for v in compute_cloud.vms() if v["name"] == "lc-late-sshd")["sshd_pid"] is None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((ip, 22), timeout=2).close()
+    with pytest.raises(paramiko.ssh_exception.NoValidConnectionsError):
+        ssh(ip, "maxtext", key)
+    opened = poll(lambda: port_open(ip) and time.time(), timeout=20)
+    assert 4 <= opened - started < 12, opened - started
+    with ssh(ip, "maxtext", key) as client:
+        assert run(client, "id -un").strip() == "maxtext"
+
+
+def test_ssh_banner_timeout_of_a_hung_sshd(compute_cloud, compute_vm):
+    key = paramiko.ECDSAKey.generate()
+    compute_cloud.set_faults({"ssh_banner_timeout": {"seconds": 4}})
+    try:
+        instance = compute_vm("lc-hung-sshd", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    finally:
+        compute_cloud.set_faults({})
+    started = when(instance["lastStartTimestamp"])
+    ip = instance["networkInterfaces"][0]["networkIP"]
+
+    # TCP is accepted, no banner comes.
+    with socket.create_connection((ip, 22), timeout=2) as sock:
+        sock.settimeout(1)
+        with pytest.raises(socket.timeout):
+            sock.recv(64)
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    with pytest.raises(paramiko.SSHException, match="banner"):
+        client.connect(ip, 22, username="maxtext", pkey=key, look_for_keys=False, allow_agent=False,
+                       timeout=2, banner_timeout=1, auth_timeout=2)
+    client.close()
+
+    def banner() -> float | None:
+        with socket.create_connection((ip, 22), timeout=2) as sock:
+            sock.settimeout(0.5)
+            try:
+                return time.time() if sock.recv(64).startswith(b"SSH-") else None
+            except socket.timeout:
+                return None
+
+    served = poll(banner, timeout=20, interval=0)
+    assert 4 <= served - started < 12, served - started
+    with ssh(ip, "maxtext", key) as client:
+        assert run(client, "id -un").strip() == "maxtext"

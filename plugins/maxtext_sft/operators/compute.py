@@ -7,7 +7,9 @@ already gone is success, and success means it is really gone.
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Sequence
 
 from google.api_core.exceptions import NotFound
 from google.cloud.compute_v1.types import Instance
@@ -18,6 +20,7 @@ from airflow.providers.google.cloud.operators.compute import (
 )
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.janitor import EXPIRY_LABEL  # the epoch second after which the VM has outlived its lifetime
 
 
 def _hook(operator) -> ComputeEngineEndpointHook:
@@ -40,7 +43,17 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     answers a repeated request id with the first request's operation, failed ones included.
     """
 
+    template_fields: Sequence[str] = (*ComputeEngineInsertInstanceOperator.template_fields, "lifetime_minutes")
+
+    def __init__(self, *, lifetime_minutes=None, **kwargs):
+        super().__init__(**kwargs)
+        self.lifetime_minutes = lifetime_minutes
+
     def execute(self, context) -> dict:
+        if self.lifetime_minutes:
+            # When this VM should be gone: the janitor deletes it after that, Airflow or not.
+            expires = int(time.time()) + int(self.lifetime_minutes) * 60
+            self.body = {**self.body, "labels": {**self.body.get("labels", {}), EXPIRY_LABEL: str(expires)}}
         if "name" in self.body:
             self.resource_id = self.body["name"]
         if self.request_id:

@@ -111,6 +111,12 @@ class TrainingCheckpointSensor(_VmSensor):
             spec.run_name, state, fields.get("last_step"), fields.get("last_loss"),
         )
         if state == "running":
+            idle = _number(fields.get("idle_seconds")) or 0
+            if idle > spec.stall_timeout_seconds:
+                raise AirflowFailException(
+                    f"Training {spec.run_name} on {spec.vm_name} stalled: no new step for {idle} s "
+                    f"(stall_timeout_seconds={spec.stall_timeout_seconds}; last step {fields.get('last_step')})"
+                )
             return False
         if state == "exited" and fields.get("exit_code") == "0":
             # The checkpoints are in storage: the process is done, is its final step committed?

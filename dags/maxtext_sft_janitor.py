@@ -1,0 +1,65 @@
+"""Janitor: delete MaxText SFT VMs whose DAG run is over, or whose lifetime has passed.
+
+A backstop for the pipeline's own teardown (see plugins/maxtext_sft/janitor.py, which is also a
+command for cron or Cloud Scheduler while Airflow is down). Only instances labelled
+`managed-by=airflow-maxtext-sft` are ever looked at; every deletion is logged with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param, conf, task
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.janitor import UNKNOWN, sweep
+
+log = logging.getLogger(__name__)
+GCP_CONN_ID = "google_cloud_default"
+# Airflow config (AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES): how often the janitor sweeps.
+INTERVAL = timedelta(minutes=conf.getint("maxtext_sft", "janitor_interval_minutes", fallback=10))
+
+def _run_not_found(error: Exception) -> bool:
+    """A 404 from the execution API, in process (ServerResponseError) or through the supervisor."""
+    response = getattr(error, "response", None)
+    if getattr(response, "status_code", None) == 404:
+        return True
+    detail = f"{error!r} {getattr(error, 'detail', '')} {getattr(error, 'error', '')}".lower()
+    return "not_found" in detail or "not found" in detail
+
+
+with DAG(
+    dag_id="maxtext_sft_janitor",
+    description="Delete MaxText SFT VMs whose run is over or whose lifetime has passed",
+    schedule=INTERVAL,
+    catchup=False,
+    max_active_runs=1,
+    params={
+        "project_id": Param(None, type=["null", "string"], description="Project to sweep; empty: the connection's."),
+        "dry_run": Param(False, type="boolean", description="Only log what would be deleted."),
+    },
+    tags=["maxtext", "sft", "janitor"],
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=1), "owner": "ml-platform"},
+    doc_md=__doc__,
+) as dag:
+
+    @task
+    def delete_leaked_vms(**context) -> list[dict]:
+        """List the package's VMs in every zone; delete those whose run is over or whose lifetime passed."""
+        ti, params = context["ti"], context["params"]
+        hook = ComputeEngineEndpointHook(gcp_conn_id=GCP_CONN_ID)
+
+        def run_state(dag_id: str, run_id: str) -> str | None:
+            try:
+                state = ti.get_dagrun_state(dag_id=dag_id, run_id=run_id)
+                return str(getattr(state, "value", state))  # a DagRunState enum, or its string
+            except Exception as error:  # the Task SDK reports a missing run as an error
+                if _run_not_found(error):
+                    return None
+                log.warning("Could not learn the state of %s/%s: %r", dag_id, run_id, error)
+                return UNKNOWN
+
+        deleted = sweep(hook, params["project_id"] or hook.project_id, run_state, dry_run=params["dry_run"])
+        return [vm.__dict__ for vm in deleted]
+
+    delete_leaked_vms()

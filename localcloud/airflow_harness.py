@@ -1,0 +1,355 @@
+"""Airflow as separate component processes sharing one home and one metadata database.
+
+    airflow = Airflow(home, env, database_url=postgres_url)   # None: SQLite in the home
+    airflow.start()            # db migrate, then api-server, scheduler, dag-processor, triggerer
+    run_id = airflow.trigger({"steps": 10})
+    airflow.kill_scheduler()   # SIGKILL to the scheduler's process group alone
+    airflow.start_scheduler()  # a new scheduler on the same database
+    airflow.stop()             # everything that remains
+
+Unlike `airflow standalone`, each component is its own `python -m airflow COMPONENT` process in
+its own session (process group), so one can be killed while the others keep running. The
+api-server serves the REST API and the execution API the task runners use
+(`[core] execution_api_server_url`); the scheduler runs tasks with the LocalExecutor (its
+workers are in the scheduler's group, each task runner in a group of its own). Every process
+started for a home carries `LOCALCLOUD_AIRFLOW_HOME=<home>` in its environment, which is how
+`stop()` finds what a killed component left behind (task runners) and how `start()` finds what
+a dead run left behind in the same home. Auth is the simple auth manager with every user an
+admin: `GET /auth/token` hands out the API token, no password involved.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+HOME_MARK = "LOCALCLOUD_AIRFLOW_HOME"
+SIMPLE_AUTH_MANAGER = "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
+
+
+class AirflowError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _live_pids(predicate) -> list[int]:
+    """Pids of live (non-zombie) processes, other than ours, for which predicate(pid, pgrp) holds."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        pid = int(name)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and predicate(pid, int(fields[2])):
+            found.append(pid)
+    return found
+
+
+def _group_members(pgid: int) -> list[int]:
+    return _live_pids(lambda _pid, pgrp: pgrp == pgid)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+class Airflow:
+    """api-server, scheduler, dag-processor and triggerer of one Airflow home, each its own process group."""
+
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str],
+        *,
+        database_url: str | None = None,
+        dag_id: str = "maxtext_sft",
+        parallelism: int = 4,
+    ) -> None:
+        self.home = Path(home).resolve()
+        self.port = free_port()
+        self.base_env = dict(env)
+        self.database_url = database_url or f"sqlite:///{self.home}/airflow.db"
+        self.dag_id = dag_id
+        self.parallelism = parallelism
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.token: str | None = None
+        self._env: dict[str, str] | None = None
+
+    # ----- lifecycle --------------------------------------------------------------------------
+
+    def start(self, timeout: float = 240) -> None:
+        """Migrate the database, start the four components and wait until they are healthy and
+        the DAG is parsed (a dead run's leftovers in the same home are killed first)."""
+        deadline = time.monotonic() + timeout
+        self._kill_marked()
+        shutil.rmtree(self.home, ignore_errors=True)
+        self.home.mkdir(parents=True)
+        self._env = self._component_env()
+        atexit.register(self.stop)
+        try:
+            self._migrate(deadline)
+            for name in COMPONENTS:
+                self.start_component(name)
+            self._wait_until(self._ready, deadline, "Airflow to be healthy with the DAG parsed")
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_component(self, name: str) -> None:
+        """Start one component (again, after a kill) in a session of its own."""
+        if name not in COMPONENTS:
+            raise ValueError(f"unknown component {name!r}; one of {COMPONENTS}")
+        if self._env is None:
+            raise AirflowError("start() the harness first")
+        if self.running(name):
+            raise AirflowError(f"{name} is already running (pid {self.processes[name].pid})")
+        with open(self.log_path(name), "ab") as log:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "airflow", name],
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.home,
+                start_new_session=True,
+            )
+
+    def start_scheduler(self) -> None:
+        self.start_component("scheduler")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one component's process group (the others keep running); returns once it is gone."""
+        process = self.processes.pop(name, None)
+        if process is None:
+            return
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+        self._wait_until(lambda: not _group_members(process.pid), time.monotonic() + 30, f"{name}'s group to die")
+
+    def kill_scheduler(self) -> None:
+        self.kill("scheduler")
+
+    def running(self, name: str) -> bool:
+        process = self.processes.get(name)
+        return process is not None and process.poll() is None
+
+    def stop(self, grace: float = 20) -> None:
+        """Stop every component left (SIGTERM, SIGKILL after `grace` s), the api-server last, then
+        anything else started for this home (task runners a killed scheduler left)."""
+        atexit.unregister(self.stop)
+        workers = [name for name in COMPONENTS if name != "api-server" and name in self.processes]
+        self._terminate(workers, grace)
+        self._terminate([name for name in ("api-server",) if name in self.processes], grace)
+        self._kill_marked()
+        self.token = None
+
+    def __enter__(self) -> Airflow:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_path(self, name: str) -> Path:
+        return self.home / f"{name}.log"
+
+    def log_tail(self, name: str, size: int = 3000) -> str:
+        try:
+            return self.log_path(name).read_text(errors="replace")[-size:]
+        except FileNotFoundError:
+            return ""
+
+    # ----- REST API ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, body=None, auth=True, missing_ok=False):
+        for attempt in (1, 2):
+            request = urllib.request.Request(f"{self.url}{path}", method=method)
+            if auth:
+                if self.token is None:
+                    self.token = self._new_token()
+                request.add_header("Authorization", f"Bearer {self.token}")
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                request.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(request, data=data, timeout=30) as response:
+                    return json.load(response)
+            except urllib.error.HTTPError as error:
+                if missing_ok and error.code == 404:
+                    return None
+                if auth and error.code == 401 and attempt == 1:
+                    self.token = None  # expired: a new one, once
+                    continue
+                raise AirflowError(f"{method} {path}: {error.code} {error.read().decode()[:500]}") from error
+
+    def get(self, path: str, **kwargs):
+        return self.request("GET", path, **kwargs)
+
+    def health(self) -> dict:
+        return self.get("/api/v2/monitor/health", auth=False)
+
+    def trigger(self, conf: dict) -> str:
+        run = self.request("POST", f"/api/v2/dags/{self.dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+        return run["dag_run_id"]
+
+    def run(self, run_id: str) -> dict:
+        return self.get(f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}")
+
+    def task_instances(self, run_id: str) -> list[dict]:
+        return self.get(f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+
+    def task_states(self, run_id: str) -> dict[str, str | None]:
+        return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
+
+    def xcom(self, run_id: str, task_id: str):
+        """A task's return value, or None when it has none."""
+        path = f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        entry = self.get(path, missing_ok=True)
+        return entry["value"] if entry else None
+
+    # ----- internals --------------------------------------------------------------------------
+
+    def _component_env(self) -> dict[str, str]:
+        return {
+            **self.base_env,
+            "PATH": f"{Path(sys.executable).parent}:{self.base_env.get('PATH', os.environ.get('PATH', '/usr/bin:/bin'))}",
+            HOME_MARK: str(self.home),
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url,
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__AUTH_MANAGER": SIMPLE_AUTH_MANAGER,
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "true",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "false",
+            "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
+            # One secret for every component: the api-server checks the tokens the scheduler
+            # signs for task runners.
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(64),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+            "PYTHONPATH": str(REPO / "plugins"),  # as in a deployment: plugins/ is importable
+        }
+
+    def _new_token(self) -> str:
+        """An admin's API token: the simple auth manager hands one out to anyone when every user
+        is an admin (`simple_auth_manager_all_admins`)."""
+        return self.get("/auth/token", auth=False)["access_token"]
+
+    def _migrate(self, deadline: float) -> None:
+        log_path = self.log_path("db-migrate")
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "airflow", "db", "migrate"],
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.home,
+                start_new_session=True,
+            )
+        try:
+            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+            raise AirflowError(f"airflow db migrate timed out; see {log_path}") from None
+        if code != 0:
+            raise AirflowError(f"airflow db migrate exited {code}: {self.log_tail('db-migrate')}")
+
+    def _ready(self) -> bool:
+        for name in COMPONENTS:
+            if not self.running(name):
+                raise AirflowError(f"airflow {name} exited during start-up: {self.log_tail(name)}")
+        try:
+            health = self.health()
+            if not all(health[c]["status"] == "healthy" for c in ("scheduler", "triggerer", "dag_processor")):
+                return False
+            return bool(self.get(f"/api/v2/dags/{self.dag_id}", missing_ok=True))
+        except (OSError, KeyError, AirflowError):
+            return False  # the api-server is not up yet, or the components not yet heartbeating
+
+    @staticmethod
+    def _wait_until(condition, deadline: float, what: str, interval: float = 0.5) -> None:
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AirflowError(f"timed out waiting for {what}")
+            time.sleep(interval)  # polling interval; the condition is re-checked each time
+
+    def _terminate(self, names: list[str], grace: float) -> None:
+        """SIGTERM these components' groups together, SIGKILL a group still alive after `grace`."""
+        processes = {name: self.processes.pop(name) for name in names}
+        for process in processes.values():
+            _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in processes.values():
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            while _group_members(process.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)  # polling interval while the group's other members exit
+        for process in processes.values():
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+            self._wait_until(lambda pgid=process.pid: not _group_members(pgid), time.monotonic() + 30, "a group to die")
+
+    def _kill_marked(self) -> None:
+        """SIGKILL every process (and its group) started for this home that is still alive."""
+        mark = f"{HOME_MARK}={self.home}".encode()
+
+        def marked(pid: int, _pgrp: int) -> bool:
+            try:
+                return mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 30
+        while True:
+            left = _live_pids(marked)
+            if not left:
+                return
+            for pid in left:
+                try:
+                    pgid = os.getpgid(pid)
+                    if pgid != os.getpgid(0):
+                        _signal_group(pgid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise AirflowError(f"processes {left} of {self.home} did not die")
+            time.sleep(0.1)  # polling interval while the kernel reaps them

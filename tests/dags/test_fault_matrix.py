@@ -1,0 +1,103 @@
+"""The fault matrix: whatever fails, no instance is left and the run's error names the cause.
+
+Each case injects one fault into the local cloud or the MaxText stand-in, runs the whole DAG
+(`dag.test()`), and asserts: the run ended as expected, no instance is left, and (for a failed
+run) check_run_outcome's error names the cause. The session ends with one line: faults injected,
+VMs leaked, runs whose error named the cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+TALLY = {"faults injected": 0, "VMs leaked": 0, "runs whose error named the cause": 0, "failed runs": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    name: str
+    conf: dict = dataclasses.field(default_factory=dict)
+    cloud: dict | None = None
+    maxtext: dict | None = None
+    outcome: str = "failed"
+    failed_task: str | None = None
+    cause: str = ""  # text the run's error must contain
+
+
+MATRIX = [
+    Fault(
+        "create rejected: reservation full",
+        cloud={"insert_rejected": {"preset": "reservation_no_capacity", "count": 3}},
+        failed_task="create_vm",
+        cause="does not have sufficient capacity",
+    ),
+    Fault(
+        "create rejected: zone exhausted, then capacity",
+        cloud={"insert_rejected": {"preset": "zone_resource_pool_exhausted", "count": 1}},
+        outcome="success",
+    ),
+    Fault(
+        "5xx, then success",
+        cloud={"http_errors": [{"method": "POST", "path_regex": "/instances$", "status": 503, "count": 1}]},
+        outcome="success",
+    ),
+    Fault("SSH refused, then up", cloud={"ssh_refused": {"seconds": 8}}, outcome="success"),
+    Fault("SSH banner hangs, then up", cloud={"ssh_banner_timeout": {"seconds": 8}}, outcome="success"),
+    Fault(
+        "create fails after acceptance",
+        cloud={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True}},
+        failed_task="create_vm",
+        cause="ZONE_RESOURCE_POOL_EXHAUSTED",
+    ),
+    Fault(
+        "conversion fails",
+        maxtext={"to_maxtext": {"fail": "checkpoint shard 3 is corrupt"}},
+        failed_task="convert_checkpoint",
+        cause="checkpoint shard 3 is corrupt",
+    ),
+    Fault(
+        "training crashes",
+        maxtext={"train_sft": {"crash_at_step": 4}},
+        failed_task="wait_for_final_checkpoint",
+        cause="training exited with code 1 after step 3",
+    ),
+    Fault(
+        "training stalls",
+        conf={"stall_timeout_seconds": 10},
+        maxtext={"train_sft": {"stall_at_step": 4}},
+        failed_task="wait_for_final_checkpoint",
+        cause="stalled: no new step for",
+    ),
+    Fault(
+        "export fails",
+        maxtext={"to_huggingface": {"fail": "no space left on device"}},
+        failed_task="export_to_hf",
+        cause="no space left on device",
+    ),
+]
+
+
+@pytest.mark.parametrize("fault", MATRIX, ids=[f.name for f in MATRIX])
+def test_fault(fault, run_pipeline, local_cloud):
+    TALLY["faults injected"] += 1
+    run = run_pipeline({"steps": 12, **fault.conf}, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
+    leaked = local_cloud.vms()
+    TALLY["VMs leaked"] += len(leaked)
+    assert leaked == []
+    assert run.state == fault.outcome, run.task_states
+    if fault.outcome == "failed":
+        TALLY["failed runs"] += 1
+        assert run.task_states[fault.failed_task] == "failed", run.task_states
+        assert run.task_states["delete_vm"] in ("success", "skipped"), run.task_states
+        error = run.log[run.log.rindex("The fine-tune did not complete") :]
+        assert fault.cause in error, error[:3000]
+        TALLY["runs whose error named the cause"] += 1
+
+
+def tally_line() -> str:
+    """The matrix's last word (printed by tests/dags/conftest.py after pytest's own summary)."""
+    return "Fault matrix: " + ", ".join(f"{key}: {value}" for key, value in TALLY.items())
