@@ -9,6 +9,8 @@ VMs leaked, runs whose error named the cause.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -26,6 +28,7 @@ class Fault:
     outcome: str = "failed"
     failed_task: str | None = None
     cause: str = ""  # text the run's error must contain
+    preempt_in_training: bool = False  # the cloud deletes the VM once its training has started
 
 
 MATRIX = [
@@ -73,6 +76,24 @@ MATRIX = [
         cause="stalled: no new step for",
     ),
     Fault(
+        "insert operation hangs a while",
+        cloud={"operation_hangs": {"operation": "insert", "seconds": 8}},
+        outcome="success",
+    ),
+    Fault(
+        "delete operation fails once",
+        cloud={"operation_errors": {"operation": "delete", "count": 1}},
+        outcome="success",
+    ),
+    Fault(
+        # Recovery (recreate and resume) is not built yet: the run fails at once, saying why.
+        "VM deleted by the cloud mid-training",
+        maxtext={"train_sft": {"stall_at_step": 5}},
+        preempt_in_training=True,
+        failed_task="wait_for_final_checkpoint",
+        cause="no longer exists",
+    ),
+    Fault(
         "export fails",
         maxtext={"to_huggingface": {"fail": "no space left on device"}},
         failed_task="export_to_hf",
@@ -84,7 +105,13 @@ MATRIX = [
 @pytest.mark.parametrize("fault", MATRIX, ids=[f.name for f in MATRIX])
 def test_fault(fault, run_pipeline, local_cloud):
     TALLY["faults injected"] += 1
+    preempter = None
+    if fault.preempt_in_training:
+        preempter = threading.Thread(target=preempt_when_training, args=(local_cloud,), daemon=True)
+        preempter.start()
     run = run_pipeline({"steps": 12, **fault.conf}, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
+    if preempter:
+        preempter.join(timeout=5)
     leaked = local_cloud.vms()
     TALLY["VMs leaked"] += len(leaked)
     assert leaked == []
@@ -96,6 +123,18 @@ def test_fault(fault, run_pipeline, local_cloud):
         error = run.log[run.log.rindex("The fine-tune did not complete") :]
         assert fault.cause in error, error[:3000]
         TALLY["runs whose error named the cause"] += 1
+
+
+def preempt_when_training(cloud, timeout: float = 300) -> None:
+    """Delete the run's VM the way the cloud does, once its training process has started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for vm in cloud.vms():
+            homes = cloud.state_dir / "vms" / vm["name"] / "home"
+            if any(homes.glob("*/maxtext-sft-runs/*/pid")):
+                cloud.terminate_vm(vm["name"], "DELETE")
+                return
+        time.sleep(0.2)  # polling interval; the VM's files are re-read each time
 
 
 def tally_line() -> str:

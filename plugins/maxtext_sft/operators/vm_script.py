@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from google.api_core.exceptions import NotFound
+from googleapiclient.errors import HttpError
+
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
@@ -14,11 +17,20 @@ from maxtext_sft.vm_steps import STEPS, parse_results, remote_command, script_fi
 
 
 def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
-    """The VM's address, asked from the Compute API each time (a recreated VM may have a new one)."""
+    """The VM's address, asked from the Compute API each time (a recreated VM may have a new one).
+
+    Raises google.api_core's NotFound when the instance is gone (the hook's discovery client
+    reports that as an HttpError 404).
+    """
     hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
-    return hook.get_instance_address(
-        zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id, use_internal_ip=spec.use_internal_ip
-    )
+    try:
+        return hook.get_instance_address(
+            zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id, use_internal_ip=spec.use_internal_ip
+        )
+    except HttpError as error:
+        if error.resp.status == 404:
+            raise NotFound(f"instance {spec.vm_name} not found") from error
+        raise
 
 
 class VmScriptOperator(BaseOperator):

@@ -36,7 +36,10 @@ class _VmSensor(BaseSensorOperator):
         try:
             address = vm_address(spec, self.gcp_conn_id)
         except NotFound:
-            raise AirflowFailException(f"VM {spec.vm_name} no longer exists") from None
+            raise AirflowFailException(
+                f"VM {spec.vm_name} no longer exists: deleted outside this run's teardown "
+                "(preempted, its lifetime ended, or deleted by hand)"
+            ) from None
         # One connection attempt per poke: the sensor's own interval is the retry loop.
         return VmSSHHook(
             ssh_conn_id=self.ssh_conn_id,
