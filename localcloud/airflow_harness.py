@@ -128,16 +128,7 @@ class Airflow:
             raise AirflowError("start() the harness first")
         if self.running(name):
             raise AirflowError(f"{name} is already running (pid {self.processes[name].pid})")
-        with open(self.log_path(name), "ab") as log:
-            self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "airflow", name],
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.home,
-                start_new_session=True,
-            )
+        self.processes[name] = self._spawn(name, [name])
 
     def start_scheduler(self) -> None:
         self.start_component("scheduler")
@@ -269,11 +260,11 @@ class Airflow:
         is an admin (`simple_auth_manager_all_admins`)."""
         return self.get("/auth/token", auth=False)["access_token"]
 
-    def _migrate(self, deadline: float) -> None:
-        log_path = self.log_path("db-migrate")
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "airflow", "db", "migrate"],
+    def _spawn(self, log_name: str, airflow_args: list[str]) -> subprocess.Popen:
+        """`airflow ARGS` in a session of its own, its output appended to HOME/LOG_NAME.log."""
+        with open(self.log_path(log_name), "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "airflow", *airflow_args],
                 env=self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -281,6 +272,10 @@ class Airflow:
                 cwd=self.home,
                 start_new_session=True,
             )
+
+    def _migrate(self, deadline: float) -> None:
+        log_path = self.log_path("db-migrate")
+        process = self._spawn("db-migrate", ["db", "migrate"])
         try:
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

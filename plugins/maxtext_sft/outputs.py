@@ -92,7 +92,6 @@ def run_record(
     training: dict[str, Any],
     base_checkpoint: str | None,
     hf_export: str,
-    durable: bool,
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs)."""
     return {
@@ -104,8 +103,8 @@ def run_record(
         "final_step": training.get("final_step"),
         "final_loss": training.get("final_loss"),
         "base_checkpoint": base_checkpoint,
-        "checkpoints": spec.checkpoints_dir if durable else None,
-        "checkpoints_durable": durable,
+        "checkpoints": spec.checkpoints_dir if spec.durable else None,
+        "checkpoints_durable": spec.durable,
         "hf_export": hf_export,
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
         "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

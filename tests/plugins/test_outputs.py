@@ -66,9 +66,9 @@ def test_the_commit_title_names_the_dag_run_and_generation():
 def test_the_record_says_whether_checkpoints_were_durable():
     durable = make_spec(output_location="gs://bkt/p")
     record = run_record(durable, training={"final_step": 3, "final_loss": "1.0"}, base_checkpoint="gs://c",
-                        hf_export=durable.hf_export_uri, durable=True)
+                        hf_export=durable.hf_export_uri)
     assert record["checkpoints"] == durable.checkpoints_dir and record["checkpoints_durable"] is True
     assert record["model_card"] == f"{durable.hf_export_uri}/README.md"
     local = make_spec()
-    record = run_record(local, training={}, base_checkpoint=None, hf_export="host:/x", durable=False)
+    record = run_record(local, training={}, base_checkpoint=None, hf_export="host:/x")
     assert record["checkpoints"] is None and record["checkpoints_durable"] is False

@@ -68,9 +68,7 @@ class CollectOutputsOperator(BaseOperator):
         if missing:
             raise AirflowException(f"The export in {export_uri} lacks {missing}: was export_to_hf's upload complete?")
         storage.upload(bucket, f"{prefix}/{MODEL_CARD_NAME}", data=card, mime_type="text/markdown")
-        record = run_record(
-            spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri, durable=True
-        )
+        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri)
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
         self.log.info("Outputs of %s: %s", spec.run_name, json.dumps(record, indent=1))
@@ -92,7 +90,7 @@ class CollectOutputsOperator(BaseOperator):
             raise AirflowException(f"The export on {spec.vm_name} lacks {missing}")
         (export_dir / MODEL_CARD_NAME).write_text(card)
         location = f"{socket.gethostname()}:{export_dir}"
-        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location, durable=False)
+        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location)
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(
             "No output_location: the checkpoints were not durable and are deleted with the VM; only the export "
