@@ -14,10 +14,10 @@ from tests.conftest import REPO
 
 
 def pytest_unconfigure(config):
-    """The fault matrix's tally is the test output's last line (when the matrix ran)."""
-    matrix = sys.modules.get("tests.dags.test_fault_matrix")
-    if matrix and matrix.TALLY["faults injected"]:
-        print(matrix.tally_line())
+    """The fault tests' tally is the test output's last line (when any of them ran)."""
+    tally = sys.modules.get("tests.dags.fault_tally")
+    if tally and tally.TALLY["faults injected"]:
+        print(tally.tally_line())
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+from tests.dags import fault_tally
 
-TALLY = {"faults injected": 0, "VMs leaked": 0, "runs whose error named the cause": 0, "failed runs": 0}
+pytestmark = pytest.mark.e2e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ MATRIX = [
 
 @pytest.mark.parametrize("fault", MATRIX, ids=[f.name for f in MATRIX])
 def test_fault(fault, run_pipeline, local_cloud):
-    TALLY["faults injected"] += 1
+    fault_tally.fault_injected()
     preempter = None
     if fault.preempt_in_training:
         preempter = threading.Thread(target=preempt_when_training, args=(local_cloud,), daemon=True)
@@ -113,16 +113,15 @@ def test_fault(fault, run_pipeline, local_cloud):
     if preempter:
         preempter.join(timeout=5)
     leaked = local_cloud.vms()
-    TALLY["VMs leaked"] += len(leaked)
+    fault_tally.vms_left(leaked)
     assert leaked == []
     assert run.state == fault.outcome, run.task_states
     if fault.outcome == "failed":
-        TALLY["failed runs"] += 1
+        error = run.log[run.log.rindex("The fine-tune did not complete") :]
+        fault_tally.failed_run(error, fault.cause)
         assert run.task_states[fault.failed_task] == "failed", run.task_states
         assert run.task_states["delete_vm"] in ("success", "skipped"), run.task_states
-        error = run.log[run.log.rindex("The fine-tune did not complete") :]
         assert fault.cause in error, error[:3000]
-        TALLY["runs whose error named the cause"] += 1
 
 
 def preempt_when_training(cloud, timeout: float = 300) -> None:
@@ -136,7 +135,3 @@ def preempt_when_training(cloud, timeout: float = 300) -> None:
                 return
         time.sleep(0.2)  # polling interval; the VM's files are re-read each time
 
-
-def tally_line() -> str:
-    """The matrix's last word (printed by tests/dags/conftest.py after pytest's own summary)."""
-    return "Fault matrix: " + ", ".join(f"{key}: {value}" for key, value in TALLY.items())
