@@ -91,8 +91,9 @@ with DAG(
         results=convert_checkpoint.output,  # the converted checkpoint's path (maybe another run's)
         **step_connections,
     )
+    # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries).
     wait_for_final_checkpoint = TrainingCheckpointSensor(
-        task_id="wait_for_final_checkpoint", spec=run["spec"], **vm_connections
+        task_id="wait_for_final_checkpoint", spec=run["spec"], **step_connections
     )
 
     # 5. Convert MaxText -> Hugging Face; the model card and the run record go next to it.

@@ -102,6 +102,7 @@ def run_record(
         "vm_name": spec.vm_name,
         "final_step": training.get("final_step"),
         "final_loss": training.get("final_loss"),
+        "vm_recoveries": training.get("vm_recoveries", 0),  # times the VM was lost and recreated
         "base_checkpoint": base_checkpoint,
         "checkpoints": spec.checkpoints_dir if spec.durable else None,
         "checkpoints_durable": spec.durable,

@@ -14,7 +14,7 @@ VM = "TPU VM"
 MODEL = "Model and data"
 MAXTEXT = "MaxText"
 OUTPUTS = "Outputs and publishing"
-TIMING = "Timeouts and polling"
+TIMING = "Timeouts, polling and recovery"
 
 
 def _param(name: str, type_, description: str, section: str, **schema) -> Param:
@@ -127,6 +127,17 @@ def pipeline_params() -> dict[str, Param]:
         "stall_timeout_seconds": _param(
             "stall_timeout_seconds", "integer", "Fail the run when no training step completes for this long.",
             TIMING, minimum=10,
+        ),
+        "checkpoint_period": _param(
+            "checkpoint_period", "integer",
+            "Save a checkpoint every this many steps (and the last); with output_location, what a "
+            "recreated VM resumes from. 10000 (MaxText's default): step 1 and the last step only.",
+            TIMING, minimum=1,
+        ),
+        "max_vm_recoveries": _param(
+            "max_vm_recoveries", "integer",
+            "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
+            "output_location (0: never; the run fails).", TIMING, minimum=0, maximum=10,
         ),
         "max_run_duration_minutes": _param(
             "max_run_duration_minutes",

@@ -61,6 +61,8 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "training_timeout_hours": 12,
     "poke_interval_seconds": 60,
     "stall_timeout_seconds": 3600,  # no new training step for this long: the run fails
+    "checkpoint_period": 10000,  # MaxText's default: a fresh run saves step 1 and the last step only
+    "max_vm_recoveries": 2,  # how often a VM lost mid-training is recreated to resume
     "max_run_duration_minutes": None,  # None: every step's time limit added up, plus a margin
     "cloud_enforced_lifetime": True,  # the VM's scheduling.maxRunDuration (Compute Engine deletes it)
 }
@@ -100,6 +102,7 @@ OWNED_KEYS: dict[str, frozenset[str]] = {
             "load_parameters_path",
             "model_name",
             "steps",
+            "checkpoint_period",
             "hf_access_token",
             "per_device_batch_size",
             "hf_path",
@@ -197,6 +200,8 @@ class RunSpec:
     training_timeout_hours: int
     poke_interval_seconds: int
     stall_timeout_seconds: int
+    checkpoint_period: int
+    max_vm_recoveries: int
     max_run_duration_minutes: int  # the VM's lifetime: its expiry label, and maxRunDuration if enforced
     cloud_enforced_lifetime: bool
 
@@ -205,6 +210,7 @@ class RunSpec:
     #   OUTPUT/runs/RUN_NAME/{checkpoints,tensorboard}/   MaxText's run folder, written as it trains
     #   OUTPUT/runs/RUN_NAME/hf-export/                   the tuned model in Hugging Face format
     #   OUTPUT/runs/RUN_NAME/run-record.json              where everything went (written last)
+    #   OUTPUT/runs/RUN_NAME/vm-recoveries/N.json         the VM was lost and recreated (N-th time)
     #   OUTPUT/base-checkpoints/MODEL/KEY/                converted base checkpoints, shared by runs
     @property
     def durable(self) -> bool:
@@ -249,6 +255,11 @@ class RunSpec:
     def hf_export_uri(self) -> str | None:
         """Where the export is uploaded, next to the run's checkpoints; None without an output location."""
         return f"{self.run_output_dir}/hf-export" if self.output_location else None
+
+    @property
+    def vm_recoveries_uri(self) -> str | None:
+        """Folder of the run's recovery ledger (one object per recreated VM); None without an output location."""
+        return f"{self.run_output_dir}/vm-recoveries" if self.output_location else None
 
     @property
     def run_record_uri(self) -> str | None:
@@ -312,8 +323,13 @@ class RunSpec:
             *self.convert_extra_args,
         ]
 
-    def train_args(self, base_checkpoint: str | None = None) -> list[str]:
-        """train_sft's arguments; `base_checkpoint` is the converted checkpoint the convert step reported."""
+    def train_args(self, base_checkpoint: str | None = None, *, resuming: bool = False) -> list[str]:
+        """train_sft's arguments; `base_checkpoint` is the converted checkpoint the convert step reported.
+
+        `resuming`: a recreated VM takes up the run from its latest checkpoint (MaxText restores it
+        by run_name). It does not profile: Tunix refuses a profiling window that the steps left
+        cannot hold, and the first attempt's trace is already in tensorboard/.
+        """
         base_checkpoint = base_checkpoint or f"{self.maxtext_checkpoint_dir}0/items"
         columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
         split = [f"train_split={self.train_split}"]
@@ -333,11 +349,13 @@ class RunSpec:
             f"load_parameters_path={base_checkpoint}",
             f"per_device_batch_size={self.per_device_batch_size}",
             f"steps={self.steps}",
+            f"checkpoint_period={self.checkpoint_period}",
             f"hf_path={self.dataset_name}",
             *split,
             f"train_data_columns={columns}",
             "profiler=xplane",
             *self.train_extra_args,
+            *(["profiler=''"] if resuming else []),
         ]
 
     def export_args(self) -> list[str]:
@@ -604,6 +622,8 @@ def build_run_spec(
         training_timeout_hours=_int_in(p, "training_timeout_hours", 1, 24 * 14),
         poke_interval_seconds=_int_in(p, "poke_interval_seconds", 1, 3600),
         stall_timeout_seconds=_int_in(p, "stall_timeout_seconds", 10, 7 * 24 * 3600),
+        checkpoint_period=_int_in(p, "checkpoint_period", 1, 10_000_000),
+        max_vm_recoveries=_int_in(p, "max_vm_recoveries", 0, 10),
         max_run_duration_minutes=_lifetime_minutes(p),
         cloud_enforced_lifetime=_bool(p, "cloud_enforced_lifetime"),
     )

@@ -53,7 +53,8 @@ STEPS: dict[str, VmStep] = {
             s.tpu["accelerator_type"],
             s.tpu["topology"],
             s.tpu["chips_per_host_bounds"],
-            *s.train_args(results.get("base_checkpoint")),
+            # "resuming": set by a VM recovery (sensors/vm.py), not by the DAG's start_training.
+            *s.train_args(results.get("base_checkpoint"), resuming=results.get("resuming") == "yes"),
         ],
         timeout_seconds=lambda s: 300,
         needs_hf_token=True,

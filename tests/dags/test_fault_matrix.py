@@ -9,6 +9,7 @@ VMs leaked, runs whose error named the cause.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -28,7 +29,16 @@ class Fault:
     outcome: str = "failed"
     failed_task: str | None = None
     cause: str = ""  # text the run's error must contain
-    preempt_in_training: bool = False  # the cloud deletes the VM once its training has started
+    # The cloud deletes the VM (as a preemption does) once its training log has this text, up to
+    # `preemptions` times; the MaxText faults are lifted after the last one.
+    preempt_after: str | None = None
+    preemptions: int = 1
+    durable: bool = False  # checkpoints in the local bucket (output_location)
+
+
+DURABLE_CONF = {"output_location": "gs://fault-matrix/outputs", "checkpoint_period": 3}
+# Holds the training after step 4 (checkpoints 1 and 3 committed) until the VM is deleted.
+HELD_AT_STEP_5 = {"train_sft": {"stall_at_step": 5}}
 
 
 MATRIX = [
@@ -86,12 +96,36 @@ MATRIX = [
         outcome="success",
     ),
     Fault(
-        # Recovery (recreate and resume) is not built yet: the run fails at once, saying why.
-        "VM deleted by the cloud mid-training",
-        maxtext={"train_sft": {"stall_at_step": 5}},
-        preempt_in_training=True,
+        "VM deleted mid-training: recreated, resumes from the last checkpoint",
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        durable=True,
+        outcome="success",
+    ),
+    Fault(
+        "VM deleted mid-training, checkpoints only on the VM",
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
         failed_task="wait_for_final_checkpoint",
-        cause="no longer exists",
+        cause="lived only on that VM (no output_location)",
+    ),
+    Fault(
+        "VM deleted mid-training more often than max_vm_recoveries",
+        conf={"max_vm_recoveries": 1},
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        preemptions=2,
+        durable=True,
+        failed_task="wait_for_final_checkpoint",
+        cause="already recreated its VM 1 time(s) (max_vm_recoveries=1)",
+    ),
+    Fault(
+        # The fast image ships MaxText 0.2.2 only; installing another version needs the network
+        # and root, which a local VM has neither of.
+        "install fails",
+        conf={"maxtext_version": "0.2.1"},
+        failed_task="install_maxtext",
+        cause="install_maxtext.sh exited with status",
     ),
     Fault(
         "export fails",
@@ -106,16 +140,24 @@ MATRIX = [
 def test_fault(fault, run_pipeline, local_cloud):
     fault_tally.fault_injected()
     preempter = None
-    if fault.preempt_in_training:
-        preempter = threading.Thread(target=preempt_when_training, args=(local_cloud,), daemon=True)
+    if fault.preempt_after:
+        preempter = threading.Thread(
+            target=preempt_when_logged, args=(local_cloud, fault.preempt_after, fault.preemptions), daemon=True
+        )
         preempter.start()
-    run = run_pipeline({"steps": 12, **fault.conf}, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
+    conf = {"steps": 12, **(DURABLE_CONF if fault.durable else {}), **fault.conf}
+    if fault.durable:
+        local_cloud.create_bucket("fault-matrix", exist_ok=True)
+    run = run_pipeline(conf, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
     if preempter:
         preempter.join(timeout=5)
+        assert not preempter.is_alive(), "the VM was not preempted as often as the case says"
     leaked = local_cloud.vms()
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert run.state == fault.outcome, run.task_states
+    if fault.preempt_after and fault.outcome == "success":
+        assert_resumed_after_last_checkpoint(run, local_cloud, checkpoint=3, steps=conf["steps"])
     if fault.outcome == "failed":
         error = run.log[run.log.rindex("The fine-tune did not complete") :]
         fault_tally.failed_run(error, fault.cause)
@@ -124,14 +166,30 @@ def test_fault(fault, run_pipeline, local_cloud):
         assert fault.cause in error, error[:3000]
 
 
-def preempt_when_training(cloud, timeout: float = 300) -> None:
-    """Delete the run's VM the way the cloud does, once its training process has started."""
+def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: int) -> None:
+    """One recovery: a second VM, MaxText restored `checkpoint`, and trained only the steps after it."""
+    inserts = [r for r in cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances")]
+    assert len(inserts) == 2, inserts
+    restored = run.log.index(f"Restored params from step: {checkpoint} ")
+    trained_after = {int(step) for step in re.findall(r"completed step: (\d+),", run.log[restored:])}
+    assert trained_after == set(range(checkpoint + 1, steps + 1))
+    assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == steps
+    assert run.xcoms["wait_for_final_checkpoint.return_value"]["vm_recoveries"] == 1
+    assert run.xcoms["collect_outputs.return_value"]["vm_recoveries"] == 1
+
+
+def preempt_when_logged(cloud, text: str, times: int, timeout: float = 300) -> None:
+    """Delete the run's VM the way the cloud does once its training log shows `text`, `times`
+    times (each recreated VM anew); then lift the MaxText faults, so a resumed training finishes."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while times and time.monotonic() < deadline:
         for vm in cloud.vms():
             homes = cloud.state_dir / "vms" / vm["name"] / "home"
-            if any(homes.glob("*/maxtext-sft-runs/*/pid")):
+            if any(text in log.read_text(errors="replace") for log in homes.glob("*/maxtext-sft-runs/*/train.log")):
                 cloud.terminate_vm(vm["name"], "DELETE")
-                return
+                times -= 1
+                break
         time.sleep(0.2)  # polling interval; the VM's files are re-read each time
+    if not times:
+        cloud.set_vm_file("maxtext-faults.json", "{}")
 

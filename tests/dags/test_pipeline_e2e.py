@@ -62,7 +62,9 @@ def test_no_ssh_keys_pile_up_and_no_step_output_goes_to_xcom(happy_run, hf_token
     assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks]
     assert set(run.xcoms["convert_checkpoint.return_value"]) == {"base_checkpoint"}
     assert set(run.xcoms["export_to_hf.return_value"]) == {"hf_export"}
-    assert set(run.xcoms["wait_for_final_checkpoint.return_value"]) == {"final_step", "final_loss", "final_checkpoint"}
+    training = run.xcoms["wait_for_final_checkpoint.return_value"]
+    assert set(training) == {"final_step", "final_loss", "final_checkpoint", "vm_recoveries"}
+    assert training["vm_recoveries"] == 0
     # The token is nowhere in what went to the Compute API or into XCom.
     assert hf_token not in json.dumps(requests)
     assert hf_token not in json.dumps(run.xcoms, default=str)

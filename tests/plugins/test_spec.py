@@ -68,6 +68,7 @@ def test_train_command_matches_the_tutorial():
         "load_parameters_path=/dev/shm/gemma3-4b/mt-format/0/items",
         "per_device_batch_size=1",
         "steps=1000",
+        "checkpoint_period=10000",  # not in the tutorial: MaxText's default, stated since it is a Param
         "hf_path=HuggingFaceH4/ultrachat_200k",
         "train_split=train_sft",
         "train_data_columns=['messages']",
@@ -77,6 +78,20 @@ def test_train_command_matches_the_tutorial():
     assert "checkpoint_storage_use_zarr3=1" in spec.convert_args()
     assert "checkpoint_storage_use_zarr3=0" in make_spec(use_pathways=True).convert_args()
     assert not any("hf_access_token" in a for a in spec.convert_args() + spec.train_args() + spec.export_args())
+
+
+def test_a_resumed_training_does_not_profile():
+    """Tunix refuses a profiling window the remaining steps cannot hold; the last word wins."""
+    spec = make_spec(checkpoint_period=50, train_extra_args=["profiler=xplane"])
+    assert "checkpoint_period=50" in spec.train_args()
+    assert spec.train_args()[-1] == "profiler=xplane"
+    assert spec.train_args(resuming=True)[-1] == "profiler=''"
+
+
+@pytest.mark.parametrize("name, value", [("checkpoint_period", 0), ("max_vm_recoveries", 11), ("max_vm_recoveries", -1)])
+def test_recovery_params_are_bounded(name, value):
+    with pytest.raises(SpecError, match=name):
+        make_spec(**{name: value})
 
 
 @pytest.mark.parametrize("step", sorted(OWNED_KEYS))

@@ -36,6 +36,17 @@ def test_only_steps_with_the_commit_marker_count(hook):
     assert hook.committed_steps(uri) == [1, 10, 20]
 
 
+def test_create_once_writes_an_object_only_if_it_does_not_exist(hook):
+    """The recovery ledger's guard: of two writers of the same entry, exactly one wins."""
+    folder = f"gs://{BUCKET}/ledger"
+    assert hook.create_once(f"{folder}/1.json", '{"first": true}')
+    assert not hook.create_once(f"{folder}/1.json", '{"second": true}')
+    assert hook.download(BUCKET, "ledger/1.json") == b'{"first": true}'
+    assert hook.create_once(f"{folder}/2.json", "{}")
+    assert hook.names_under(folder) == ["1.json", "2.json"]
+    assert hook.names_under(f"gs://{BUCKET}/no-such-folder") == []
+
+
 def test_a_bad_endpoint_extra_is_refused(monkeypatch):
     monkeypatch.setenv(
         "AIRFLOW_CONN_BAD_GCS",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from google.api_core.client_options import ClientOptions
+from google.api_core.exceptions import PreconditionFailed
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from maxtext_sft.hooks.endpoints import endpoint_override
@@ -56,3 +57,18 @@ class StorageEndpointHook(GCSHook):
             if step.isdigit() and rest == ORBAX_COMMIT_MARKER:
                 steps.append(int(step))
         return sorted(steps)
+
+    def create_once(self, uri: str, text: str) -> bool:
+        """Write `uri` unless it exists (ifGenerationMatch=0); False when it already did."""
+        bucket, name = split_gcs_uri(uri)
+        blob = self.get_conn().bucket(bucket).blob(name)
+        try:
+            blob.upload_from_string(text, content_type="application/json", if_generation_match=0)
+        except PreconditionFailed:
+            return False
+        return True
+
+    def names_under(self, folder_uri: str) -> list[str]:
+        """Object names directly or deeper under `folder_uri`, relative to it, sorted."""
+        bucket, prefix = split_gcs_uri(folder_uri)
+        return sorted(name[len(prefix) + 1 :] for name in self.list(bucket, prefix=f"{prefix}/"))

@@ -31,6 +31,13 @@ def _hook(operator) -> ComputeEngineEndpointHook:
     )
 
 
+def with_expiry_label(body: dict, lifetime_minutes: int) -> dict:
+    """The insert body, labelled with when this VM should be gone: the janitor deletes it after
+    that, Airflow or not."""
+    expires = int(time.time()) + lifetime_minutes * 60
+    return {**body, "labels": {**body.get("labels", {}), EXPIRY_LABEL: str(expires)}}
+
+
 # States of an instance that is, or is becoming, the running VM a retry can adopt.
 LIVE_STATUSES = frozenset({"PROVISIONING", "STAGING", "RUNNING"})
 
@@ -51,9 +58,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
 
     def execute(self, context) -> dict:
         if self.lifetime_minutes:
-            # When this VM should be gone: the janitor deletes it after that, Airflow or not.
-            expires = int(time.time()) + int(self.lifetime_minutes) * 60
-            self.body = {**self.body, "labels": {**self.body.get("labels", {}), EXPIRY_LABEL: str(expires)}}
+            self.body = with_expiry_label(self.body, int(self.lifetime_minutes))
         if "name" in self.body:
             self.resource_id = self.body["name"]
         if self.request_id:

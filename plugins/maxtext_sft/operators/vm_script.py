@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import paramiko
 from google.api_core.exceptions import NotFound
 from googleapiclient.errors import HttpError
 
@@ -33,6 +35,32 @@ def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
         raise
 
 
+# Errors that mean "not reachable yet / right now", not "broken".
+TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
+
+
+def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str) -> VmSSHHook:
+    """An SSH hook for one connection attempt to the VM (raises NotFound when the VM is gone)."""
+    return VmSSHHook(
+        ssh_conn_id=ssh_conn_id,
+        remote_host=vm_address(spec, gcp_conn_id),
+        conn_timeout=spec.ssh_connect_timeout_seconds,
+        conn_retry_attempts=1,
+    )
+
+
+def ssh_login_works(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> bool:
+    """Whether the VM accepts an SSH login as the pipeline's (non-root) user right now."""
+    try:
+        hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id)
+        with hook.get_conn():
+            status, _ = hook.run_command("true", timeout=60, on_line=log.info)
+    except TRANSIENT_SSH_ERRORS as error:
+        log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
+        return False
+    return status == 0
+
+
 class VmScriptOperator(BaseOperator):
     """Upload the step scripts and run `step`'s script; the HF token goes on stdin, never in argv.
 
@@ -59,27 +87,42 @@ class VmScriptOperator(BaseOperator):
 
     def execute(self, context) -> dict[str, str] | None:
         spec = RunSpec.from_dict(self.spec)
-        vm_step = STEPS[self.step]
-        stdin = (hf_token(self.hf_conn_id) + "\n").encode() if vm_step.needs_hf_token else None
-        hook = VmSSHHook(
+        return run_vm_step(
+            self.step,
+            spec,
+            self.results or {},
+            gcp_conn_id=self.gcp_conn_id,
             ssh_conn_id=self.ssh_conn_id,
-            remote_host=vm_address(spec, self.gcp_conn_id),
-            conn_timeout=spec.ssh_connect_timeout_seconds,
+            hf_conn_id=self.hf_conn_id,
+            log=self.log,
         )
-        command = remote_command(self.step, spec, self.results or {})
-        reported: list[str] = []
 
-        def on_line(line: str) -> None:
-            self.log.info("%s", line)
-            if line.startswith("MAXTEXT_SFT_RESULT "):
-                reported.append(line)
 
-        with hook.get_conn():
-            hook.upload_scripts(script_files())
-            self.log.info("Running on %s: %s", spec.vm_name, command)
-            status, tail = hook.run_command(command, stdin=stdin, timeout=vm_step.timeout_seconds(spec), on_line=on_line)
-        if status != 0:
-            raise AirflowException(
-                f"{vm_step.script} exited with status {status} on {spec.vm_name}; last lines:\n" + "\n".join(tail)
-            )
-        return parse_results(reported) or None
+def run_vm_step(
+    step: str, spec: RunSpec, results: dict, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str, log: Any
+) -> dict[str, str] | None:
+    """Upload the scripts and run `step`'s script on the run's VM; return what it reported."""
+    vm_step = STEPS[step]
+    stdin = (hf_token(hf_conn_id) + "\n").encode() if vm_step.needs_hf_token else None
+    hook = VmSSHHook(
+        ssh_conn_id=ssh_conn_id,
+        remote_host=vm_address(spec, gcp_conn_id),
+        conn_timeout=spec.ssh_connect_timeout_seconds,
+    )
+    command = remote_command(step, spec, results)
+    reported: list[str] = []
+
+    def on_line(line: str) -> None:
+        log.info("%s", line)
+        if line.startswith("MAXTEXT_SFT_RESULT "):
+            reported.append(line)
+
+    with hook.get_conn():
+        hook.upload_scripts(script_files())
+        log.info("Running on %s: %s", spec.vm_name, command)
+        status, tail = hook.run_command(command, stdin=stdin, timeout=vm_step.timeout_seconds(spec), on_line=on_line)
+    if status != 0:
+        raise AirflowException(
+            f"{vm_step.script} exited with status {status} on {spec.vm_name}; last lines:\n" + "\n".join(tail)
+        )
+    return parse_results(reported) or None

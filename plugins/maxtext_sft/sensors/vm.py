@@ -6,21 +6,19 @@ import re
 from collections.abc import Sequence
 from datetime import timedelta
 
-import paramiko
 from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
-from maxtext_sft.hooks.vm_ssh import VmSSHHook
-from maxtext_sft.operators.vm_script import vm_address
+from maxtext_sft.operators.vm_script import TRANSIENT_SSH_ERRORS, ssh_login_works, vm_ssh_hook
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 STEP_LINE = re.compile(r"completed step: (\d+),.*?[ ,]loss: ([^ ,]+)")
-# Errors that mean "not reachable yet / right now", not "broken".
-TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
+VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, or deleted by hand)"
 
 
 class _VmSensor(BaseSensorOperator):
@@ -32,22 +30,6 @@ class _VmSensor(BaseSensorOperator):
         self.gcp_conn_id = gcp_conn_id
         self.ssh_conn_id = ssh_conn_id
 
-    def _ssh_hook(self, spec: RunSpec) -> VmSSHHook:
-        try:
-            address = vm_address(spec, self.gcp_conn_id)
-        except NotFound:
-            raise AirflowFailException(
-                f"VM {spec.vm_name} no longer exists: deleted outside this run's teardown "
-                "(preempted, its lifetime ended, or deleted by hand)"
-            ) from None
-        # One connection attempt per poke: the sensor's own interval is the retry loop.
-        return VmSSHHook(
-            ssh_conn_id=self.ssh_conn_id,
-            remote_host=address,
-            conn_timeout=spec.ssh_connect_timeout_seconds,
-            conn_retry_attempts=1,
-        )
-
 
 class VmSshReadySensor(_VmSensor):
     """Wait until the VM accepts an SSH login as the pipeline's (non-root) user."""
@@ -55,13 +37,9 @@ class VmSshReadySensor(_VmSensor):
     def poke(self, context) -> bool:
         spec = RunSpec.from_dict(self.spec)
         try:
-            hook = self._ssh_hook(spec)
-            with hook.get_conn():
-                status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
-        except TRANSIENT_SSH_ERRORS as error:
-            self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
-            return False
-        return status == 0
+            return ssh_login_works(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
+        except NotFound:
+            raise AirflowFailException(f"VM {spec.vm_name} no longer exists: {VM_GONE}") from None
 
 
 class TrainingCheckpointSensor(_VmSensor):
@@ -72,12 +50,19 @@ class TrainingCheckpointSensor(_VmSensor):
     is taken from storage: the final step's Orbax commit marker, which is written after every
     other file of the step. It runs in reschedule mode, so no worker slot is held in between. A
     training process that ended without its final checkpoint fails the sensor at once, with the
-    log's tail.
+    log's tail. A VM lost mid-training is recreated and the training resumed from the latest
+    durable checkpoint, a bounded number of times (`VmRecovery`).
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, hf_conn_id: str, **kwargs):
         kwargs.setdefault("mode", "reschedule")
         super().__init__(**kwargs)
+        self.hf_conn_id = hf_conn_id
+
+    def _recovery(self, spec: RunSpec) -> VmRecovery:
+        return VmRecovery(
+            spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log
+        )
 
     def execute(self, context):
         spec = RunSpec.from_dict(self.spec)
@@ -89,7 +74,7 @@ class TrainingCheckpointSensor(_VmSensor):
         spec = RunSpec.from_dict(self.spec)
         output: list[str] = []
         try:
-            hook = self._ssh_hook(spec)
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
             with hook.get_conn():
                 hook.upload_scripts(script_files())
                 status, _ = hook.run_command(
@@ -97,6 +82,9 @@ class TrainingCheckpointSensor(_VmSensor):
                     timeout=STEPS["training_status"].timeout_seconds(spec),
                     on_line=output.append,
                 )
+        except NotFound:
+            self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+            return False
         except TRANSIENT_SSH_ERRORS as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
             return False
@@ -109,6 +97,12 @@ class TrainingCheckpointSensor(_VmSensor):
             if progress := STEP_LINE.search(line):
                 self.log.info("training progress: step %s, loss %s", *progress.groups())
         state = fields.get("state")
+        if fields.get("reason") == "no-training-started":
+            recovery = self._recovery(spec)
+            if recovery.count():
+                # A recovery was cut short (this task was killed or retried) before training restarted.
+                recovery.resume()
+                return False
         self.log.info(
             "Training %s: state %s, last step %s, loss %s",
             spec.run_name, state, fields.get("last_step"), fields.get("last_loss"),
@@ -135,6 +129,7 @@ class TrainingCheckpointSensor(_VmSensor):
                 # As text: a diverged run's "nan" or "inf" must reach the publishing gate intact.
                 "final_loss": fields.get("last_loss"),
                 "final_checkpoint": spec.final_checkpoint_path,
+                "vm_recoveries": self._recovery(spec).count(),
             }
             self.log.info("Training %s finished: %s", spec.run_name, result)
             return PokeReturnValue(is_done=True, xcom_value=result)
