@@ -33,6 +33,8 @@ class Fault:
     # `preemptions` times; the MaxText faults are lifted after the last one.
     preempt_after: str | None = None
     preemptions: int = 1
+    cloud_after_preempt: dict | None = None  # cloud faults set right after the (last) preemption
+    recoveries: int = 1  # entries in the recovery ledger of a run that resumed
     durable: bool = False  # checkpoints in the local bucket (output_location)
 
 
@@ -103,6 +105,15 @@ MATRIX = [
         outcome="success",
     ),
     Fault(
+        "VM deleted mid-training, its recreation fails once: the sensor's retry recovers again",
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        cloud_after_preempt={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "count": 1}},
+        recoveries=2,
+        durable=True,
+        outcome="success",
+    ),
+    Fault(
         "VM deleted mid-training, checkpoints only on the VM",
         maxtext=HELD_AT_STEP_5,
         preempt_after="completed step: 4,",
@@ -142,7 +153,9 @@ def test_fault(fault, run_pipeline, local_cloud):
     preempter = None
     if fault.preempt_after:
         preempter = threading.Thread(
-            target=preempt_when_logged, args=(local_cloud, fault.preempt_after, fault.preemptions), daemon=True
+            target=preempt_when_logged,
+            args=(local_cloud, fault.preempt_after, fault.preemptions, fault.cloud_after_preempt),
+            daemon=True,
         )
         preempter.start()
     conf = {"steps": 12, **(DURABLE_CONF if fault.durable else {}), **fault.conf}
@@ -157,7 +170,9 @@ def test_fault(fault, run_pipeline, local_cloud):
     assert leaked == []
     assert run.state == fault.outcome, run.task_states
     if fault.preempt_after and fault.outcome == "success":
-        assert_resumed_after_last_checkpoint(run, local_cloud, checkpoint=3, steps=conf["steps"])
+        assert_resumed_after_last_checkpoint(
+            run, local_cloud, checkpoint=3, steps=conf["steps"], recoveries=fault.recoveries
+        )
     if fault.outcome == "failed":
         error = run.log[run.log.rindex("The fine-tune did not complete") :]
         fault_tally.failed_run(error, fault.cause)
@@ -166,21 +181,22 @@ def test_fault(fault, run_pipeline, local_cloud):
         assert fault.cause in error, error[:3000]
 
 
-def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: int) -> None:
-    """One recovery: a second VM, MaxText restored `checkpoint`, and trained only the steps after it."""
+def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: int, recoveries: int) -> None:
+    """An insert per recovery, MaxText restored `checkpoint`, and trained only the steps after it."""
     inserts = [r for r in cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances")]
-    assert len(inserts) == 2, inserts
+    assert len(inserts) == 1 + recoveries, inserts
     restored = run.log.index(f"Restored params from step: {checkpoint} ")
     trained_after = {int(step) for step in re.findall(r"completed step: (\d+),", run.log[restored:])}
     assert trained_after == set(range(checkpoint + 1, steps + 1))
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == steps
-    assert run.xcoms["wait_for_final_checkpoint.return_value"]["vm_recoveries"] == 1
-    assert run.xcoms["collect_outputs.return_value"]["vm_recoveries"] == 1
+    assert run.xcoms["wait_for_final_checkpoint.return_value"]["vm_recoveries"] == recoveries
+    assert run.xcoms["collect_outputs.return_value"]["vm_recoveries"] == recoveries
 
 
-def preempt_when_logged(cloud, text: str, times: int, timeout: float = 300) -> None:
+def preempt_when_logged(cloud, text: str, times: int, cloud_faults: dict | None, timeout: float = 300) -> None:
     """Delete the run's VM the way the cloud does once its training log shows `text`, `times`
-    times (each recreated VM anew); then lift the MaxText faults, so a resumed training finishes."""
+    times (each recreated VM anew); then set `cloud_faults` and lift the MaxText faults, so a
+    resumed training finishes."""
     deadline = time.monotonic() + timeout
     while times and time.monotonic() < deadline:
         for vm in cloud.vms():
@@ -191,5 +207,7 @@ def preempt_when_logged(cloud, text: str, times: int, timeout: float = 300) -> N
                 break
         time.sleep(0.2)  # polling interval; the VM's files are re-read each time
     if not times:
+        if cloud_faults:
+            cloud.set_faults(cloud_faults)
         cloud.set_vm_file("maxtext-faults.json", "{}")
 
