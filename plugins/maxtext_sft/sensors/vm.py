@@ -103,6 +103,10 @@ class TrainingCheckpointSensor(_VmSensor):
                 # A recovery was cut short (this task was killed or retried) before training restarted.
                 recovery.resume()
                 return False
+            raise AirflowFailException(
+                f"No training was ever started on VM {spec.vm_name} (no pid file for {spec.run_name}): "
+                "the VM was replaced outside this run, or start_training did not run on it"
+            )
         self.log.info(
             "Training %s: state %s, last step %s, loss %s",
             spec.run_name, state, fields.get("last_step"), fields.get("last_loss"),
