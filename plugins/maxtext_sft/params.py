@@ -7,7 +7,8 @@ check that counts (it also runs on scheduled runs and on conf sent through the A
 from __future__ import annotations
 
 from airflow.sdk import Param
-from maxtext_sft.spec import TPU_TOPOLOGIES, TUTORIAL_DEFAULTS as D
+from maxtext_sft import spec
+from maxtext_sft.spec import INT_BOUNDS, TPU_TOPOLOGIES, TUTORIAL_DEFAULTS as D
 
 CLOUD = "Google Cloud"
 VM = "TPU VM"
@@ -17,7 +18,37 @@ OUTPUTS = "Outputs and publishing"
 TIMING = "Timeouts, polling and recovery"
 
 
+# String Params and the spec's pattern each must match (the form shows the mismatch at once).
+PATTERNS = {
+    "project_id": spec.PROJECT_ID,
+    "zone": spec.GCE_ZONE,
+    "reservation": spec.GCE_NAME,
+    "network": spec.GCE_NAME,
+    "network_tag": spec.GCE_NAME,
+    "service_account": spec.EMAIL,
+    "vm_name_prefix": spec.GCE_NAME,
+    "image_project": spec.PROJECT_ID,
+    "image_family": spec.GCE_NAME,
+    "model_name": spec.SAFE_TOKEN,
+    "model_revision": spec.SAFE_TOKEN,
+    "base_model_id": spec.HUB_ID,
+    "dataset_name": spec.DATASET,
+    "dataset_revision": spec.SAFE_TOKEN,
+    "train_split": spec.SAFE_TOKEN,
+    "maxtext_version": spec.MAXTEXT_VERSION,
+    "work_dir": spec.VM_PATH,
+    "output_location": spec.GCS_URI,
+    "hub_repo_id": spec.HUB_ID,
+    "hub_branch": spec.GIT_BRANCH,
+}
+
+
 def _param(name: str, type_, description: str, section: str, **schema) -> Param:
+    if name in PATTERNS:
+        schema.setdefault("pattern", PATTERNS[name].pattern)
+    if name in INT_BOUNDS:
+        schema.setdefault("minimum", INT_BOUNDS[name][0])
+        schema.setdefault("maximum", INT_BOUNDS[name][1])
     return Param(D[name], type=type_, description=description, section=section, **schema)
 
 
@@ -45,7 +76,7 @@ def pipeline_params() -> dict[str, Param]:
         ),
         "image_project": _param("image_project", "string", "Project of the boot image.", VM),
         "image_family": _param("image_family", "string", "Image family of the boot disk.", VM),
-        "boot_disk_size_gb": _param("boot_disk_size_gb", "integer", "Boot disk size in GB.", VM, minimum=10),
+        "boot_disk_size_gb": _param("boot_disk_size_gb", "integer", "Boot disk size in GB.", VM),
         "use_internal_ip": _param(
             "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
         ),
@@ -64,11 +95,16 @@ def pipeline_params() -> dict[str, Param]:
         ),
         "train_split": _param("train_split", "string", "Dataset split to train on (TRAIN_SPLIT).", MODEL),
         "train_data_columns": _param(
-            "train_data_columns", "array", "Dataset columns (TRAIN_DATA_COLUMNS).", MODEL, items={"type": "string"}
+            "train_data_columns",
+            "array",
+            "Dataset columns (TRAIN_DATA_COLUMNS).",
+            MODEL,
+            items={"type": "string", "pattern": spec.SAFE_TOKEN.pattern},
+            minItems=1,
         ),
-        "steps": _param("steps", "integer", "Training steps (STEPS).", MODEL, minimum=1),
+        "steps": _param("steps", "integer", "Training steps (STEPS).", MODEL),
         "per_device_batch_size": _param(
-            "per_device_batch_size", "integer", "Per-device batch size (PER_DEVICE_BATCH_SIZE).", MODEL, minimum=1
+            "per_device_batch_size", "integer", "Per-device batch size (PER_DEVICE_BATCH_SIZE).", MODEL,
         ),
         "maxtext_version": _param("maxtext_version", "string", "maxtext[tpu-post-train] version.", MAXTEXT),
         "work_dir": _param(
@@ -107,37 +143,37 @@ def pipeline_params() -> dict[str, Param]:
             "hub_max_final_loss", ["null", "number"], "Publish only if the final loss is at most this.", OUTPUTS
         ),
         "ssh_connect_timeout_seconds": _param(
-            "ssh_connect_timeout_seconds", "integer", "SSH connect/banner/auth timeout.", TIMING, minimum=1
+            "ssh_connect_timeout_seconds", "integer", "SSH connect/banner/auth timeout.", TIMING,
         ),
         "install_timeout_minutes": _param(
-            "install_timeout_minutes", "integer", "Limit for the install step.", TIMING, minimum=1
+            "install_timeout_minutes", "integer", "Limit for the install step.", TIMING,
         ),
         "convert_timeout_minutes": _param(
-            "convert_timeout_minutes", "integer", "Limit for the conversion step.", TIMING, minimum=1
+            "convert_timeout_minutes", "integer", "Limit for the conversion step.", TIMING,
         ),
         "export_timeout_minutes": _param(
-            "export_timeout_minutes", "integer", "Limit for the export step.", TIMING, minimum=1
+            "export_timeout_minutes", "integer", "Limit for the export step.", TIMING,
         ),
         "training_timeout_hours": _param(
-            "training_timeout_hours", "integer", "Limit for waiting on training.", TIMING, minimum=1
+            "training_timeout_hours", "integer", "Limit for waiting on training.", TIMING,
         ),
         "poke_interval_seconds": _param(
-            "poke_interval_seconds", "integer", "How often the training is checked.", TIMING, minimum=1
+            "poke_interval_seconds", "integer", "How often the training is checked.", TIMING,
         ),
         "stall_timeout_seconds": _param(
             "stall_timeout_seconds", "integer", "Fail the run when no training step completes for this long.",
-            TIMING, minimum=10,
+            TIMING,
         ),
         "checkpoint_period": _param(
             "checkpoint_period", "integer",
             "Save a checkpoint every this many steps (and the last); with output_location, what a "
             "recreated VM resumes from. 10000 (MaxText's default): step 1 and the last step only.",
-            TIMING, minimum=1,
+            TIMING,
         ),
         "max_vm_recoveries": _param(
             "max_vm_recoveries", "integer",
             "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
-            "output_location (0: never; the run fails).", TIMING, minimum=0, maximum=10,
+            "output_location (0: never; the run fails).", TIMING,
         ),
         "max_run_duration_minutes": _param(
             "max_run_duration_minutes",
@@ -145,7 +181,6 @@ def pipeline_params() -> dict[str, Param]:
             "The VM's lifetime (its expiry label; Compute Engine's maxRunDuration if enforced); "
             "empty: every step's time limit added up, plus 30 minutes.",
             TIMING,
-            minimum=1,
         ),
         "cloud_enforced_lifetime": _param(
             "cloud_enforced_lifetime", "boolean",

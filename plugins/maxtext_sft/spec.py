@@ -72,6 +72,23 @@ LIFETIME_MARGIN_MINUTES = 30
 # Compute Engine's limits for scheduling.maxRunDuration.
 MAX_RUN_DURATION_LIMITS_SECONDS = (30, 120 * 24 * 3600)
 
+# Integer Params: (lowest, highest) allowed; the trigger form's schema uses the same bounds.
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "boot_disk_size_gb": (10, 65536),
+    "steps": (1, 10_000_000),
+    "per_device_batch_size": (1, 4096),
+    "ssh_connect_timeout_seconds": (1, 600),
+    "install_timeout_minutes": (1, 24 * 60),
+    "convert_timeout_minutes": (1, 24 * 60),
+    "export_timeout_minutes": (1, 24 * 60),
+    "training_timeout_hours": (1, 24 * 14),
+    "poke_interval_seconds": (1, 3600),
+    "stall_timeout_seconds": (10, 7 * 24 * 3600),
+    "checkpoint_period": (1, 10_000_000),
+    "max_vm_recoveries": (0, 10),
+    "max_run_duration_minutes": (1, MAX_RUN_DURATION_LIMITS_SECONDS[1] // 60),
+}
+
 # TPU runtime environment per machine type (the tutorial's TPU_* exports for ct6e-standard-8t).
 TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
     "ct6e-standard-8t": {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1"},
@@ -459,7 +476,8 @@ def _require(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], wha
     return value
 
 
-def _int_in(params: Mapping[str, Any], name: str, low: int, high: int) -> int:
+def _int_in(params: Mapping[str, Any], name: str) -> int:
+    low, high = INT_BOUNDS[name]
     value = params.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise SpecError(f"Param {name!r}: {value!r} is not an integer in [{low}, {high}]")
@@ -591,15 +609,15 @@ def build_run_spec(
         machine_type=machine_type,
         image_project=_require(p, "image_project", PROJECT_ID, "an image project"),
         image_family=_require(p, "image_family", GCE_NAME, "an image family"),
-        boot_disk_size_gb=_int_in(p, "boot_disk_size_gb", 10, 65536),
+        boot_disk_size_gb=_int_in(p, "boot_disk_size_gb"),
         service_account=_require(p, "service_account", EMAIL, "'default' or a service account email"),
         ssh_user=ssh_user,
         ssh_public_key=ssh_public_key,
         model_name=model_name,
         model_revision=_optional(p, "model_revision", SAFE_TOKEN, "a branch, tag or commit id"),
         **outputs,
-        steps=_int_in(p, "steps", 1, 10_000_000),
-        per_device_batch_size=_int_in(p, "per_device_batch_size", 1, 4096),
+        steps=_int_in(p, "steps"),
+        per_device_batch_size=_int_in(p, "per_device_batch_size"),
         dataset_name=_require(
             p, "dataset_name", DATASET, "a Hugging Face dataset id (owner/name) or an absolute folder on the VM"
         ),
@@ -615,15 +633,15 @@ def build_run_spec(
         train_extra_args=validate_extra_args("train", p["train_extra_args"]),
         export_extra_args=validate_extra_args("export", p["export_extra_args"]),
         use_internal_ip=_bool(p, "use_internal_ip"),
-        ssh_connect_timeout_seconds=_int_in(p, "ssh_connect_timeout_seconds", 1, 600),
-        install_timeout_minutes=_int_in(p, "install_timeout_minutes", 1, 24 * 60),
-        convert_timeout_minutes=_int_in(p, "convert_timeout_minutes", 1, 24 * 60),
-        export_timeout_minutes=_int_in(p, "export_timeout_minutes", 1, 24 * 60),
-        training_timeout_hours=_int_in(p, "training_timeout_hours", 1, 24 * 14),
-        poke_interval_seconds=_int_in(p, "poke_interval_seconds", 1, 3600),
-        stall_timeout_seconds=_int_in(p, "stall_timeout_seconds", 10, 7 * 24 * 3600),
-        checkpoint_period=_int_in(p, "checkpoint_period", 1, 10_000_000),
-        max_vm_recoveries=_int_in(p, "max_vm_recoveries", 0, 10),
+        ssh_connect_timeout_seconds=_int_in(p, "ssh_connect_timeout_seconds"),
+        install_timeout_minutes=_int_in(p, "install_timeout_minutes"),
+        convert_timeout_minutes=_int_in(p, "convert_timeout_minutes"),
+        export_timeout_minutes=_int_in(p, "export_timeout_minutes"),
+        training_timeout_hours=_int_in(p, "training_timeout_hours"),
+        poke_interval_seconds=_int_in(p, "poke_interval_seconds"),
+        stall_timeout_seconds=_int_in(p, "stall_timeout_seconds"),
+        checkpoint_period=_int_in(p, "checkpoint_period"),
+        max_vm_recoveries=_int_in(p, "max_vm_recoveries"),
         max_run_duration_minutes=_lifetime_minutes(p),
         cloud_enforced_lifetime=_bool(p, "cloud_enforced_lifetime"),
     )
@@ -631,10 +649,9 @@ def build_run_spec(
 
 def _lifetime_minutes(p: Mapping[str, Any]) -> int:
     """The VM's lifetime: the Param, or every step's time limit added up plus a margin."""
-    low, high = (limit // 60 for limit in MAX_RUN_DURATION_LIMITS_SECONDS)
     if p.get("max_run_duration_minutes") is not None:
-        return _int_in(p, "max_run_duration_minutes", max(low, 1), high)
-    limits = [_int_in(p, f"{step}_timeout_minutes", 1, 24 * 60) for step in ("install", "convert", "export")]
-    training = _int_in(p, "training_timeout_hours", 1, 24 * 14) * 60
-    return min(sum(limits) + training + LIFETIME_MARGIN_MINUTES, high)
+        return _int_in(p, "max_run_duration_minutes")
+    limits = [_int_in(p, f"{step}_timeout_minutes") for step in ("install", "convert", "export")]
+    training = _int_in(p, "training_timeout_hours") * 60
+    return min(sum(limits) + training + LIFETIME_MARGIN_MINUTES, INT_BOUNDS["max_run_duration_minutes"][1])
 

@@ -1,0 +1,51 @@
+"""Run conf that cannot make a valid run is refused, naming the field, before any Compute API request.
+
+Two gates: Airflow checks the conf against the Params' JSON schema (types, ranges, enums,
+patterns) when the run is created; plan_run checks what a schema cannot (required values,
+fields that depend on each other, arguments the pipeline owns) and fails without retries.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+INVALID = [
+    ("zone", "us-east5"),  # a region, not a zone
+    ("zone", "us-east5-b; reboot"),
+    ("reservation", None),  # required: the VM is RESERVATION_BOUND
+    ("machine_type", "ct5p-hightpu-4t"),
+    ("vm_name_prefix", "Bad_Name"),
+    ("steps", 0),
+    ("steps", "12"),
+    ("max_vm_recoveries", 11),
+    ("dataset_name", "$(reboot)"),
+    ("train_data_columns", []),
+    ("train_data_columns", ["messages; reboot"]),
+    ("work_dir", "~/x; rm -rf ~"),
+    ("maxtext_version", "latest"),
+    ("output_location", "s3://bucket/prefix"),
+    ("hub_repo_id", "not a repo"),
+    ("train_extra_args", ["steps=5"]),  # the pipeline owns steps
+    ("dataset_revision", "main"),  # with a dataset folder on the VM: only Hub datasets have revisions
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, local_cloud):
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    conf = {field: value}
+    if field == "dataset_revision":
+        conf["dataset_name"] = "/srv/datasets/ultrachat"
+    try:
+        run = run_pipeline(conf)
+    except ParamValidationError as error:  # the schema: the run is never created
+        message = str(error)
+    else:
+        assert run.state == "failed"
+        assert run.task_states["plan_run"] == "failed", run.task_states
+        message = run.log[run.log.index("Invalid run configuration") :][:2000]
+    assert field in message, message
+    assert local_cloud.requests() == []
