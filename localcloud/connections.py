@@ -72,8 +72,8 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
     vm_ssh = {
         "conn_type": "ssh",
         "login": VM_USER,
-        # Host keys are not checked yet: the VMs publish theirs as guest attributes (a later issue).
-        "extra": {"private_key": ssh_private_key, "no_host_key_check": True},
+        # No host-key settings: each step verifies the key the VM publishes in its guest attributes.
+        "extra": {"private_key": ssh_private_key},
     }
     hugging_face = {"conn_type": "generic", "password": hf_token, "extra": {"endpoint": cloud.hub.endpoint}}
     return {

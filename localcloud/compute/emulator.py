@@ -267,9 +267,16 @@ class Faults:
         The next VM(s) created accept TCP connections on port 22 but send no SSH banner for
         `seconds` after becoming RUNNING (a hung sshd, frozen with SIGSTOP); then sshd serves
         the queued connections and new ones as usual.
+
+    host_key_mismatch  {"name_regex", "count"}
+        The next VM(s) created publish, in their guest attributes (hostkeys/), an Ed25519 host
+        key that is not their sshd's: what a client sees when something else answers at the
+        VM's address.
     """
 
-    PER_INSTANCE = {"insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout"}
+    PER_INSTANCE = {
+        "insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout", "host_key_mismatch"
+    }
     OPERATIONS = ("insert", "delete")
 
     def __init__(self) -> None:
@@ -392,6 +399,11 @@ class Faults:
         Faults._seconds(rule, required=True)
         Faults._regex(rule, "name_regex")
 
+    @staticmethod
+    def _check_host_key_mismatch(rule: dict) -> None:
+        Faults._keys(rule, {"name_regex"})
+        Faults._regex(rule, "name_regex")
+
     KINDS = {
         "insert_fails_after_accept": _check_insert_fails_after_accept,
         "http_errors": _check_http_errors,
@@ -400,6 +412,7 @@ class Faults:
         "operation_hangs": _check_operation_hangs,
         "ssh_refused": _check_sshd,
         "ssh_banner_timeout": _check_sshd,
+        "host_key_mismatch": _check_host_key_mismatch,
     }
     # Kinds whose rules without `count` stay on until replaced (kept as it always was).
     STICKY = {"insert_fails_after_accept"}
@@ -495,6 +508,15 @@ class InsertFaults:
     ssh_banner_timeout: dict | None = None
 
 
+def _unrelated_ed25519_key() -> str:
+    """A fresh Ed25519 public key in the OpenSSH wire format, base64 (as guest attributes hold it)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    line = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH)
+    return line.decode().split()[1]
+
+
 class Instance:
     def __init__(self, project: str, zone: str, name: str, resource: dict, image_dir: Path | None) -> None:
         self.project, self.zone, self.name = project, zone, name
@@ -508,6 +530,7 @@ class Instance:
         self.termination_time: float | None = None  # epoch seconds
         self.termination_action: str | None = None  # "DELETE" | "STOP"
         self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
+        self.published_host_key: tuple[str, str] | None = None  # host_key_mismatch: (type, base64)
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
         self.work_lock = threading.Lock()
 
@@ -721,6 +744,8 @@ class ComputeEmulator:
             if faults.fail is None:
                 faults.ssh_refused = self.faults.take("ssh_refused", name=name)
                 faults.ssh_banner_timeout = self.faults.take("ssh_banner_timeout", name=name)
+                if self.faults.take("host_key_mismatch", name=name) is not None:
+                    inst.published_host_key = ("ssh-ed25519", _unrelated_ed25519_key())
         self._spawn(self._run_insert, inst, op, faults)
         return copy.deepcopy(op)
 
@@ -1023,7 +1048,8 @@ class ComputeEmulator:
         if enabled not in ("true", "1", "yes"):
             raise ApiError(400, "badRequest", "Guest Attributes are not enabled.")
         # What the guest agent publishes once the VM booted: its sshd host keys.
-        attributes = [("hostkeys", kind, blob) for kind, blob in vm.host_keys()] if vm else []
+        keys = ([inst.published_host_key] if inst.published_host_key else vm.host_keys()) if vm else []
+        attributes = [("hostkeys", kind, blob) for kind, blob in keys]
         variable_key = _one(req.query, "variableKey")
         self_link = f"{inst.path}/guestAttributes/"
         if variable_key:

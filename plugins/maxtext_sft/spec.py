@@ -439,11 +439,13 @@ class RunSpec:
             "tags": {"items": [self.network_tag]},
             # Identify the package, DAG and run, so a janitor can find VMs whose run is gone.
             "labels": self.labels,
-            # The pipeline's SSH key (the guest agent creates the user), and the full run identity
-            # that label values cannot hold; gcloud sent an empty metadata object.
+            # The pipeline's SSH key (the guest agent creates the user), guest attributes on (the
+            # guest agent publishes the sshd host keys there, which every SSH step verifies), and
+            # the full run identity that label values cannot hold; gcloud sent an empty metadata object.
             "metadata": {
                 "items": [
                     {"key": "ssh-keys", "value": f"{self.ssh_user}:{self.ssh_public_key} {self.ssh_user}"},
+                    {"key": "enable-guest-attributes", "value": "TRUE"},
                     {"key": "airflow-dag-id", "value": self.dag_id},
                     {"key": "airflow-run-id", "value": self.run_id},
                 ]

@@ -63,6 +63,12 @@ MATRIX = [
     Fault("SSH refused, then up", cloud={"ssh_refused": {"seconds": 8}}, outcome="success"),
     Fault("SSH banner hangs, then up", cloud={"ssh_banner_timeout": {"seconds": 8}}, outcome="success"),
     Fault(
+        "VM's sshd shows a host key other than the one it published",
+        cloud={"host_key_mismatch": {}},
+        failed_task="wait_for_ssh",
+        cause="not the ssh-ed25519 key the VM published in its guest attributes",
+    ),
+    Fault(
         "create fails after acceptance",
         cloud={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True}},
         failed_task="create_vm",

@@ -16,7 +16,7 @@ EXPLAINED_DIFFERENCES = {
     "name": "unique per DAG run instead of the fixed NAME",
     "labels": "identify the package, DAG and run",
     "tags": "a stable network tag Param instead of the per-run name",
-    "metadata": "the pipeline's SSH key and the run's full identity",
+    "metadata": "the pipeline's SSH key, guest attributes on (host keys to verify), the run's full identity",
     "serviceAccounts": "gcloud attaches the default service account; the capture endpoint had none",
     "scheduling": "the tutorial's, plus maxRunDuration: a hard lifetime even if Airflow is gone",
 }
@@ -128,7 +128,9 @@ def test_insert_body_on_the_wire_equals_the_tutorials_gcloud_request(happy_run, 
     assert ours["scheduling"] == gcloud_body["scheduling"]
     assert int(lifetime["seconds"]) == (60 + 60 + 12 * 60 + 60 + 30) * 60  # the steps' limits, plus 30 min
     assert ours["serviceAccounts"][0]["scopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
-    assert {item["key"] for item in ours["metadata"]["items"]} == {"ssh-keys", "airflow-dag-id", "airflow-run-id"}
+    metadata = {item["key"]: item["value"] for item in ours["metadata"]["items"]}
+    assert set(metadata) == {"ssh-keys", "enable-guest-attributes", "airflow-dag-id", "airflow-run-id"}
+    assert metadata["enable-guest-attributes"] == "TRUE"
 
 
 def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pipeline, local_cloud, hf_token):

@@ -34,14 +34,16 @@ def vm(pipeline_connections, local_cloud):
     where = {"zone": spec.zone, "project_id": spec.project_id}
     compute.insert_instance(body=spec.instance_body(), **where)
     try:
-        yield compute.get_instance_address(resource_id=spec.vm_name, **where)
+        address = compute.get_instance_address(resource_id=spec.vm_name, **where)
+        yield address, compute.get_host_keys(resource_id=spec.vm_name, **where)
     finally:
         compute.delete_instance(resource_id=spec.vm_name, **where)
 
 
 @pytest.fixture
 def ssh(vm):
-    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=vm, conn_timeout=10)
+    address, host_keys = vm
+    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys, conn_timeout=10)
     with hook.get_conn():
         yield hook
 
@@ -95,7 +97,43 @@ def test_a_command_past_its_deadline_raises(ssh):
 def test_root_cannot_log_in(vm):
     import paramiko
 
-    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=vm, conn_timeout=10, conn_retry_attempts=1)
+    address, host_keys = vm
+    hook = VmSSHHook(
+        ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys, conn_timeout=10, conn_retry_attempts=1
+    )
     hook.username = "root"
     with pytest.raises(paramiko.AuthenticationException):
         hook.get_conn()
+
+
+def test_the_vm_publishes_its_sshd_host_key(vm):
+    """The key in the guest attributes is the one sshd shows (read with no trust at all)."""
+    import paramiko
+
+    address, host_keys = vm
+    assert "ssh-ed25519" in host_keys
+    with paramiko.Transport((address, 22)) as transport:
+        transport.get_security_options().key_types = ["ssh-ed25519"]
+        transport.start_client(timeout=10)
+        assert transport.get_remote_server_key().get_base64() == host_keys["ssh-ed25519"]
+
+
+def test_a_host_key_other_than_the_published_one_is_refused(vm):
+    from localcloud.compute.emulator import _unrelated_ed25519_key
+    from maxtext_sft.hooks.vm_ssh import HostKeyMismatch
+
+    address, _ = vm
+    hook = VmSSHHook(
+        ssh_conn_id=SSH_CONN_ID,
+        remote_host=address,
+        host_keys={"ssh-ed25519": _unrelated_ed25519_key()},
+        conn_timeout=10,
+        conn_retry_attempts=1,
+    )
+    with pytest.raises(HostKeyMismatch, match="not the ssh-ed25519 key the VM published"):
+        hook.get_conn()
+
+
+def test_no_usable_host_key_is_refused_before_connecting():
+    with pytest.raises(ValueError, match="no usable SSH host key"):
+        VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="192.0.2.1", host_keys={"ssh-dss": "AAAA"})

@@ -8,17 +8,22 @@ cloud in tests, set the connection extra `compute_api_endpoint` in gcloud's form
 
 from __future__ import annotations
 
+import base64
+import binascii
 from functools import cached_property
 
 from google.api_core.client_options import ClientOptions
 from google.cloud.compute_v1.services.instances import InstancesClient
 from googleapiclient.discovery import build
+from googleapiclient.errors import HttpError
 
 from airflow.providers.google.cloud.hooks.compute import ComputeEngineHook
 from airflow.providers.google.common.consts import CLIENT_INFO
 from maxtext_sft.hooks.endpoints import endpoint_override
 
 API_PATH = "compute/v1/"
+# Host key types a VM's guest agent publishes under the guest attributes' hostkeys/ namespace.
+HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
 
 
 class ComputeEngineEndpointHook(ComputeEngineHook):
@@ -54,3 +59,31 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             client_info=CLIENT_INFO,
             client_options=ClientOptions(api_endpoint=self.compute_api_endpoint[: -len(API_PATH)].rstrip("/")),
         )
+
+    def get_host_keys(self, resource_id: str, zone: str, project_id: str) -> dict[str, str]:
+        """The VM's SSH host keys as its guest agent publishes them: {key type: base64 key}.
+
+        Empty until the guest agent has published them (the API answers 404 until then). Needs
+        the instance metadata `enable-guest-attributes=TRUE`. A value is cut at its first
+        whitespace and must be plain base64, so nothing else can ride along into known_hosts.
+        """
+        request = self.get_conn().instances().getGuestAttributes(
+            project=project_id, zone=zone, instance=resource_id, queryPath="hostkeys/"
+        )
+        try:
+            answer = request.execute(num_retries=self.num_retries)
+        except HttpError as error:
+            if error.resp.status == 404:
+                return {}
+            raise
+        keys = {}
+        for item in answer.get("queryValue", {}).get("items", []):
+            if item.get("namespace") != "hostkeys" or item.get("key") not in HOST_KEY_TYPES:
+                continue
+            value = (item.get("value") or "").split()
+            try:
+                if value and base64.b64encode(base64.b64decode(value[0], validate=True)).decode() == value[0]:
+                    keys[item["key"]] = value[0]
+            except binascii.Error:
+                continue
+        return keys

@@ -1,12 +1,14 @@
 """SSH to the fine-tuning VM: upload the step scripts, run one, stream its output.
 
-Built on the SSH provider's `SSHHook` (connection: login = the VM user, extra `private_key`,
-host-key settings). The remote host is the VM's address, known only at run time, so it is
-passed in rather than stored on the connection.
+Built on the SSH provider's `SSHHook` (connection: login = the VM user, extra `private_key`).
+The remote host is the VM's address and its host keys are the ones the VM publishes in its
+guest attributes, both known only at run time, so they are passed in rather than stored on the
+connection. The host key is always verified: a connection's `no_host_key_check` is overridden.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import select
 import stat
@@ -14,7 +16,11 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
+import paramiko
+
 from airflow.providers.ssh.hooks.ssh import SSHHook
+from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.compute import HOST_KEY_TYPES
 
 # Where the step scripts live on the VM, relative to the user's home (SFTP starts there).
 REMOTE_SCRIPT_DIR = ".maxtext-sft/bin"
@@ -29,10 +35,23 @@ class RemoteCommandError(RuntimeError):
         self.tail = tail
 
 
-class VmSSHHook(SSHHook):
-    """One SSH client to one VM; no inactivity timeout, since real steps are silent for minutes."""
+class HostKeyMismatch(AirflowFailException):
+    """The VM's sshd showed a host key other than the one the VM published: not the VM we made.
 
-    def __init__(self, *, ssh_conn_id: str, remote_host: str, conn_timeout: int = 30, **kwargs):
+    It fails the task without retries: a retry would meet the same host.
+    """
+
+
+class VmSSHHook(SSHHook):
+    """One SSH client to one VM; no inactivity timeout, since real steps are silent for minutes.
+
+    `host_keys` ({key type: base64 key}, from `ComputeEngineEndpointHook.get_host_keys`) are
+    the only keys the VM's sshd may show.
+    """
+
+    def __init__(
+        self, *, ssh_conn_id: str, remote_host: str, host_keys: Mapping[str, str], conn_timeout: int = 30, **kwargs
+    ):
         # Keepalives keep NAT and load balancers from dropping a connection that is silent for minutes.
         super().__init__(
             ssh_conn_id=ssh_conn_id,
@@ -42,9 +61,26 @@ class VmSSHHook(SSHHook):
             auth_timeout=conn_timeout,
             keepalive_interval=30,
             cmd_timeout=None,
+            no_host_key_check=False,
             **kwargs,
         )
         self.look_for_keys = False  # only the connection's key, never whatever is in the worker's ~/.ssh
+        self.allow_host_key_change = False
+        kind = next((kind for kind in HOST_KEY_TYPES if kind in host_keys), None)
+        if kind is None:
+            raise ValueError(f"no usable SSH host key for {remote_host} (got types {sorted(host_keys)})")
+        # Paramiko asks the server for the type of the known key first, so one key is enough.
+        self.host_key = self._host_key_mappings[kind](data=base64.b64decode(host_keys[kind]))
+
+    def get_conn(self) -> paramiko.SSHClient:
+        try:
+            return super().get_conn()
+        except paramiko.BadHostKeyException as error:
+            raise HostKeyMismatch(
+                f"SSH host key of {self.remote_host} is {error.key.get_name()} {error.key.get_base64()[:24]}..., "
+                f"not the {error.expected_key.get_name()} key the VM published in its guest attributes "
+                "(hostkeys/): refusing to connect"
+            ) from None
 
     def upload_scripts(self, scripts: Mapping[str, bytes]) -> None:
         """Copy the step scripts to REMOTE_SCRIPT_DIR (overwriting: the DAG's version wins)."""

@@ -13,8 +13,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
-from maxtext_sft.hooks.vm_ssh import VmSSHHook
-from maxtext_sft.operators.vm_script import vm_address
+from maxtext_sft.operators.vm_script import vm_ssh_hook
 from maxtext_sft.outputs import (
     MODEL_CARD_NAME,
     RUN_RECORD_NAME,
@@ -77,11 +76,7 @@ class CollectOutputsOperator(BaseOperator):
     def _copied_off_the_vm(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
         folder = local_output_dir() / spec.dag_id / spec.run_name
         export_dir = folder / "hf-export"
-        hook = VmSSHHook(
-            ssh_conn_id=self.ssh_conn_id,
-            remote_host=vm_address(spec, self.gcp_conn_id),
-            conn_timeout=spec.ssh_connect_timeout_seconds,
-        )
+        hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
         with hook.get_conn():
             files = hook.download_dir(spec.hf_export_dir, export_dir)
         self.log.info("Copied the export off %s to %s: %s", spec.vm_name, export_dir, files)

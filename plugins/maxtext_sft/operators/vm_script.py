@@ -35,27 +35,41 @@ def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
         raise
 
 
+class HostKeysNotPublished(RuntimeError):
+    """The VM's guest agent has not published its SSH host keys (yet)."""
+
+
 # Errors that mean "not reachable yet / right now", not "broken".
 TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
 
 
-def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str) -> VmSSHHook:
-    """An SSH hook for one connection attempt to the VM (raises NotFound when the VM is gone)."""
+def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> VmSSHHook:
+    """An SSH hook to the VM's current address that accepts only the host key the VM published.
+
+    Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
+    """
+    address = vm_address(spec, gcp_conn_id)
+    keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
+        resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
+    )
+    if not keys:
+        raise HostKeysNotPublished(f"VM {spec.vm_name} has published no SSH host keys in its guest attributes yet")
     return VmSSHHook(
         ssh_conn_id=ssh_conn_id,
-        remote_host=vm_address(spec, gcp_conn_id),
+        remote_host=address,
+        host_keys=keys,
         conn_timeout=spec.ssh_connect_timeout_seconds,
-        conn_retry_attempts=1,
+        **kwargs,
     )
 
 
 def ssh_login_works(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> bool:
     """Whether the VM accepts an SSH login as the pipeline's (non-root) user right now."""
     try:
-        hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id)
+        hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id, conn_retry_attempts=1)
         with hook.get_conn():
             status, _ = hook.run_command("true", timeout=60, on_line=log.info)
-    except TRANSIENT_SSH_ERRORS as error:
+    except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
         log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
         return False
     return status == 0
@@ -104,11 +118,7 @@ def run_vm_step(
     """Upload the scripts and run `step`'s script on the run's VM; return what it reported."""
     vm_step = STEPS[step]
     stdin = (hf_token(hf_conn_id) + "\n").encode() if vm_step.needs_hf_token else None
-    hook = VmSSHHook(
-        ssh_conn_id=ssh_conn_id,
-        remote_host=vm_address(spec, gcp_conn_id),
-        conn_timeout=spec.ssh_connect_timeout_seconds,
-    )
+    hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id)
     command = remote_command(step, spec, results)
     reported: list[str] = []
 

@@ -11,7 +11,12 @@ from google.api_core.exceptions import NotFound
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
-from maxtext_sft.operators.vm_script import TRANSIENT_SSH_ERRORS, ssh_login_works, vm_ssh_hook
+from maxtext_sft.operators.vm_script import (
+    TRANSIENT_SSH_ERRORS,
+    HostKeysNotPublished,
+    ssh_login_works,
+    vm_ssh_hook,
+)
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
@@ -74,7 +79,7 @@ class TrainingCheckpointSensor(_VmSensor):
         spec = RunSpec.from_dict(self.spec)
         output: list[str] = []
         try:
-            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
             with hook.get_conn():
                 hook.upload_scripts(script_files())
                 status, _ = hook.run_command(
@@ -85,7 +90,7 @@ class TrainingCheckpointSensor(_VmSensor):
         except NotFound:
             self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
             return False
-        except TRANSIENT_SSH_ERRORS as error:
+        except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
             return False
         if status != 0 or not output or not STATUS_LINE.match(output[-1]):
