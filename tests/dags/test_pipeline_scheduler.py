@@ -5,12 +5,17 @@ server, each test with a database of its own."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +219,100 @@ def test_a_sensor_marked_skipped_mid_training_deletes_the_vm_and_fails_naming_it
     states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "wait_for_final_checkpoint=skipped")
     skipped = ("wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "publish_to_hub")
     assert {states[t] for t in skipped} == {"skipped"}
+
+
+HEARTBEAT_TIMEOUT_SECONDS = 15
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _connected_to(pid: int, ip: str, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to ip:port (read from /proc)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    remote = f"{socket.htonl(int(ipaddress.IPv4Address(ip))):08X}:{port:04X}"
+    for row in table:
+        fields = row.split()
+        if fields[2] == remote and fields[3] == "01" and f"socket:[{fields[9]}]" in inodes:  # 01: ESTABLISHED
+            return True
+    return False
+
+
+def _task_process(ti_id: str) -> int | None:
+    """The task runner of task instance `ti_id`: the Task SDK titles it `airflow worker -- TI_ID`;
+    its parent, the LocalExecutor worker that supervises it, `airflow worker -- LocalExecutor: TI_ID`."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _cmdline(int(name)) == f"airflow worker -- {ti_id}":
+            return int(name)
+    return None
+
+
+@pytest.mark.airflow_config(
+    {
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_SECONDS),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+    }
+)
+def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local_cloud):
+    """SIGKILL the worker and the task process while the sensor's poke waits for the VM's (frozen)
+    sshd: the scheduler fails the try by its missing heartbeat, the retry watches on, the run
+    succeeds and the VM is deleted."""
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    fault_tally.fault_injected()
+    local_cloud.clear_requests()
+    # Training outlasts the kill and the heartbeat timeout; a poke waits up to 2 min for a banner.
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"seconds_per_step": 1.0}))
+    conf = {**LOCAL_RUN_CONF, "steps": 60, "ssh_connect_timeout_seconds": 120}
+    vm_name = None
+    try:
+        run_id = airflow.trigger(conf)
+        wait_for_training_watched(airflow, run_id)
+        [vm] = local_cloud.vms()
+        vm_name, vm_ip = vm["name"], vm["ip"]
+        local_cloud.set_sshd_paused(vm_name, True)  # the next poke blocks in SSH connect
+
+        def sensor_in_ssh_connect():
+            ti = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+            pid = _task_process(ti["id"]) if ti["state"] == "running" else None
+            return pid and _connected_to(pid, vm_ip, 22) and (ti, pid)
+
+        killed_ti, task_pid = wait_until(sensor_in_ssh_connect, 120, "a poke to wait in SSH connect")
+        worker_pid = _parent(task_pid)
+        assert _cmdline(worker_pid) == f"airflow worker -- LocalExecutor: {killed_ti['id']}"
+        # The supervisor first, so nothing reports the task's end; then the task's own group.
+        os.kill(worker_pid, signal.SIGKILL)
+        os.killpg(task_pid, signal.SIGKILL)
+        wait_until(lambda: _task_process(killed_ti["id"]) is None, 30, "the task process to die")
+        local_cloud.set_sshd_paused(vm_name, False)
+
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    sensor = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+    assert sensor["try_number"] == killed_ti["try_number"] + 1
+    # The scheduler's record that it failed the try for its missing heartbeat.
+    query = {"dag_id": "maxtext_sft", "run_id": run_id, "task_id": "wait_for_final_checkpoint", "event": "heartbeat timeout"}
+    timeouts = airflow.get(f"/api/v2/eventLogs?{urllib.parse.urlencode(query)}")
+    assert [entry["try_number"] for entry in timeouts["event_logs"]] == [killed_ti["try_number"]], timeouts
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200
