@@ -248,6 +248,10 @@ class LocalCloud:
         body = {"action": action, **({"project": project} if project else {}), **({"zone": zone} if zone else {})}
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/terminate", body)
 
+    def set_sshd_paused(self, name: str, paused: bool) -> dict:
+        """Freeze the sshd of running VM `name` (connections queue, no SSH banner) or let it go on."""
+        return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/sshd", {"paused": paused})
+
     def add_image(self, key: str, image_dir: Path) -> None:
         """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""
         self.images[key] = Path(image_dir)

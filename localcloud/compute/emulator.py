@@ -1415,6 +1415,20 @@ class ComputeEmulator:
             status = "DELETED" if action == "DELETE" else inst.status
         return {"name": inst.name, "project": inst.project, "zone": inst.zone, "action": action, "status": status}
 
+    def pause_sshd(self, name: str, paused: bool) -> dict:
+        """Freeze (SIGSTOP) or resume the sshd of a running VM: the ssh_banner_timeout fault, but
+        from now on and until resumed, for tests that must hold an SSH connect at a chosen time."""
+        with self.lock:
+            found = [i for i in self.instances.values() if i.name == name and i.vm is not None and not i.deleting]
+            if len(found) != 1:
+                raise ApiError(404, "notFound", f"localcloud: no single running VM named '{name}'.")
+            [inst] = found
+        with inst.work_lock:
+            done = inst.vm.pause_sshd() if paused else inst.vm.resume_sshd()
+        if not done:
+            raise ApiError(409, "conflict", f"localcloud: VM '{name}' has no sshd to signal.")
+        return {"name": name, "paused": paused}
+
     def set_faults(self, settings: object) -> dict:
         current = self.faults.replace(settings if settings is not None else {})
         with self.changed:
@@ -1593,6 +1607,11 @@ class ControlApi:
                 raise ApiError(400, "invalid", 'Expected {"action": "DELETE" | "STOP", "project"?, "zone"?}.')
             name = unquote(m.group(1))
             return 200, emulator.terminate(name, body.get("action", "DELETE"), body.get("project"), body.get("zone"))
+        if (m := re.fullmatch(r"vms/([^/]+)/sshd", what)) and method == "POST":
+            # {"paused": true | false}: freeze a running VM's sshd (no banner) or let it go on.
+            if not isinstance(body, dict) or set(body) != {"paused"} or not isinstance(body["paused"], bool):
+                raise ApiError(400, "invalid", 'Expected {"paused": true | false}.')
+            return 200, emulator.pause_sshd(unquote(m.group(1)), body["paused"])
         if what == "images" and method == "POST":  # {"PROJECT/FAMILY": "/abs/image/dir"}, merged
             if not isinstance(body, dict) or not all(isinstance(v, str) and v.startswith("/") for v in body.values()):
                 raise ApiError(400, "invalid", "Expected {\"PROJECT/FAMILY\": \"/absolute/image/dir\"}.")

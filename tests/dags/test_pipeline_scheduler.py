@@ -5,17 +5,23 @@ server, each test with a database of its own."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
+from pathlib import Path
 
 import pytest
 
 from localcloud.airflow_harness import Airflow
 from tests.conftest import REPO
+from tests.dags import fault_tally
 
 pytestmark = pytest.mark.e2e
 
@@ -30,11 +36,31 @@ def wait_until(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def wait_for_training_watched(airflow, run_id: str) -> None:
+    wait_until(
+        lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
+        240,
+        "training to be watched",
+    )
+
+
+def wait_for_run_end(airflow, run_id: str, timeout: float = 240) -> dict:
+    def ended():
+        run = airflow.run(run_id)
+        return run if run["state"] in ("success", "failed") else None
+
+    return wait_until(ended, timeout, "the run to end")
+
+
 @pytest.fixture
-def airflow(tmp_path, pipeline_connections, postgres_server):
+def airflow(request, tmp_path, pipeline_connections, postgres_server):
+    """Airflow on a fresh database; a test's `airflow_config` marker adds settings to its environment."""
+    marker = request.node.get_closest_marker("airflow_config")
+    settings = marker.args[0] if marker else {}
     database = f"scheduler_{uuid.uuid4().hex[:8]}"
     url = postgres_server.create_database(database)
-    instance = Airflow(tmp_path / "airflow-home", {**os.environ, **pipeline_connections}, database_url=url)
+    env = {**os.environ, **pipeline_connections, **settings}
+    instance = Airflow(tmp_path / "airflow-home", env, database_url=url)
     try:
         instance.start()
         yield instance
@@ -50,11 +76,7 @@ def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cl
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
     try:
         run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50})
-        wait_until(
-            lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
-            240,
-            "training to be watched",
-        )
+        wait_for_training_watched(airflow, run_id)
         assert len(local_cloud.vms()) == 1
         airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "failed"})
         wait_until(lambda: airflow.task_states(run_id).get("delete_vm") == "success", 180, "the delete")
@@ -86,11 +108,7 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud, back
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
     try:
         run_id = airflow.trigger(conf)
-        wait_until(
-            lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
-            240,
-            "training to be watched",
-        )
+        wait_for_training_watched(airflow, run_id)
         airflow.kill_scheduler()
         [vm] = local_cloud.vms()
         started = time.time()  # at most this long after the VM started: its lifetime ends <= started + lifetime
@@ -123,3 +141,178 @@ def _instance_label(name: str, key: str) -> str:
         resource_id=name, zone="us-east5-b", project_id=LOCAL_PROJECT
     )
     return instance.labels[key]
+
+
+# ----- user actions and a killed worker mid-training (issue 5's rows that need a scheduler) -------
+
+STALLED_TRAINING = {"train_sft": {"stall_at_step": 3}}  # holds the sensor watching until the run ends
+
+
+def outcome_error(airflow, run_id: str) -> str:
+    """check_run_outcome's error (the run's), from its task log."""
+    for entry in airflow.task_log(run_id, "check_run_outcome"):
+        for detail in (entry.get("error_detail") or []) if isinstance(entry, dict) else []:
+            if "The fine-tune did not complete" in str(detail.get("exc_value")):
+                return detail["exc_value"]
+    raise AssertionError(f"no run error in check_run_outcome's log: {airflow.task_log(run_id, 'check_run_outcome')}")
+
+
+def run_acted_on_mid_training(airflow, local_cloud, act) -> tuple[str, dict]:
+    """Trigger a run whose training stalls; once the sensor watches it, `act(run_id)` as a user
+    would. Returns the run id and the ended run."""
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    fault_tally.fault_injected()
+    local_cloud.clear_requests()
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps(STALLED_TRAINING))
+    try:
+        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50})
+        wait_for_training_watched(airflow, run_id)
+        assert len(local_cloud.vms()) == 1
+        act(run_id)
+        return run_id, wait_for_run_end(airflow, run_id)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+
+
+def assert_failed_with_vm_deleted(airflow, local_cloud, run_id: str, final: dict, cause: str) -> dict:
+    """No VM left, one successful delete, and the run failed by check_run_outcome naming `cause`."""
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    states = airflow.task_states(run_id)
+    assert final["state"] == "failed", states
+    assert states["delete_vm"] == "success" and states["check_run_outcome"] == "failed"
+    error = outcome_error(airflow, run_id)
+    fault_tally.failed_run(error, cause)
+    assert cause in error and "the VM was deleted" in error
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200
+    return states
+
+
+def test_a_run_marked_success_mid_training_still_deletes_its_vm(airflow, local_cloud):
+    """Marking a run success sets its running tasks success and skips the pending ones, but leaves
+    teardowns alone and the run running while one is pending (airflow/api/common/mark_tasks.py,
+    _set_dag_run_terminal_state): delete_vm runs, and check_run_outcome fails the run, since the
+    training never finished."""
+
+    def mark_run_success(run_id):
+        marked = airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "success"})
+        assert marked["state"] == "running"  # not "success": its teardowns are still to run
+
+    run_id, final = run_acted_on_mid_training(airflow, local_cloud, mark_run_success)
+    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "export_to_hf=skipped")
+    assert states["wait_for_final_checkpoint"] == "success"  # as marked, not as finished
+    assert {states[t] for t in ("export_to_hf", "collect_outputs", "publish_to_hub")} == {"skipped"}
+
+
+def test_a_sensor_marked_skipped_mid_training_deletes_the_vm_and_fails_naming_it(airflow, local_cloud):
+    """A user skips the running sensor: its downstream tasks are skipped by their trigger rule, the
+    teardown still deletes the VM, and the run fails naming the skipped sensor."""
+
+    def skip_sensor(run_id):
+        path = f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint"
+        airflow.request("PATCH", path, {"new_state": "skipped"})
+
+    run_id, final = run_acted_on_mid_training(airflow, local_cloud, skip_sensor)
+    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "wait_for_final_checkpoint=skipped")
+    skipped = ("wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "publish_to_hub")
+    assert {states[t] for t in skipped} == {"skipped"}
+
+
+HEARTBEAT_TIMEOUT_SECONDS = 15
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _connected_to(pid: int, ip: str, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to ip:port (read from /proc)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    remote = f"{socket.htonl(int(ipaddress.IPv4Address(ip))):08X}:{port:04X}"
+    for row in table:
+        fields = row.split()
+        if fields[2] == remote and fields[3] == "01" and f"socket:[{fields[9]}]" in inodes:  # 01: ESTABLISHED
+            return True
+    return False
+
+
+def _task_process(ti_id: str) -> int | None:
+    """The task runner of task instance `ti_id`: the Task SDK titles it `airflow worker -- TI_ID`;
+    its parent, the LocalExecutor worker that supervises it, `airflow worker -- LocalExecutor: TI_ID`."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _cmdline(int(name)) == f"airflow worker -- {ti_id}":
+            return int(name)
+    return None
+
+
+@pytest.mark.airflow_config(
+    {
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_SECONDS),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+    }
+)
+def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local_cloud):
+    """SIGKILL the worker and the task process while the sensor's poke waits for the VM's (frozen)
+    sshd: the scheduler fails the try by its missing heartbeat, the retry watches on, the run
+    succeeds and the VM is deleted."""
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    fault_tally.fault_injected()
+    local_cloud.clear_requests()
+    # Training outlasts the kill and the heartbeat timeout; a poke waits up to 2 min for a banner.
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"seconds_per_step": 1.0}))
+    conf = {**LOCAL_RUN_CONF, "steps": 60, "ssh_connect_timeout_seconds": 120}
+    vm_name = None
+    try:
+        run_id = airflow.trigger(conf)
+        wait_for_training_watched(airflow, run_id)
+        [vm] = local_cloud.vms()
+        vm_name, vm_ip = vm["name"], vm["ip"]
+        local_cloud.set_sshd_paused(vm_name, True)  # the next poke blocks in SSH connect
+
+        def sensor_in_ssh_connect():
+            ti = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+            pid = _task_process(ti["id"]) if ti["state"] == "running" else None
+            return pid and _connected_to(pid, vm_ip, 22) and (ti, pid)
+
+        killed_ti, task_pid = wait_until(sensor_in_ssh_connect, 120, "a poke to wait in SSH connect")
+        worker_pid = _parent(task_pid)
+        assert _cmdline(worker_pid) == f"airflow worker -- LocalExecutor: {killed_ti['id']}"
+        # The supervisor first, so nothing reports the task's end; then the task's own group.
+        os.kill(worker_pid, signal.SIGKILL)
+        os.killpg(task_pid, signal.SIGKILL)
+        wait_until(lambda: _task_process(killed_ti["id"]) is None, 30, "the task process to die")
+        local_cloud.set_sshd_paused(vm_name, False)
+
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    sensor = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+    assert sensor["try_number"] == killed_ti["try_number"] + 1
+    # The scheduler's record that it failed the try for its missing heartbeat.
+    query = {"dag_id": "maxtext_sft", "run_id": run_id, "task_id": "wait_for_final_checkpoint", "event": "heartbeat timeout"}
+    timeouts = airflow.get(f"/api/v2/eventLogs?{urllib.parse.urlencode(query)}")
+    assert [entry["try_number"] for entry in timeouts["event_logs"]] == [killed_ti["try_number"]], timeouts
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200

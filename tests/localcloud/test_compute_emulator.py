@@ -983,3 +983,22 @@ def test_ssh_banner_timeout_of_a_hung_sshd(compute_cloud, compute_vm):
     assert 4 <= served - started < 12, served - started
     with ssh(ip, "maxtext", key) as client:
         assert run(client, "id -un").strip() == "maxtext"
+
+
+def test_sshd_of_a_running_vm_paused_and_resumed(compute_cloud, compute_vm):
+    key = paramiko.ECDSAKey.generate()
+    instance = compute_vm("lc-paused-sshd", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    ip = instance["networkInterfaces"][0]["networkIP"]
+    with ssh(ip, "maxtext", key) as client:
+        assert run(client, "id -un").strip() == "maxtext"
+
+    compute_cloud.set_sshd_paused("lc-paused-sshd", True)
+    with socket.create_connection((ip, 22), timeout=2) as held:  # queued by the kernel, unanswered
+        held.settimeout(1)
+        with pytest.raises(socket.timeout):
+            held.recv(64)
+        compute_cloud.set_sshd_paused("lc-paused-sshd", False)
+        held.settimeout(10)
+        assert held.recv(64).startswith(b"SSH-")  # the queued connection is served once resumed
+    with pytest.raises(LocalCloudError, match="404"):
+        compute_cloud.set_sshd_paused("lc-no-such-vm", True)
