@@ -1,6 +1,7 @@
 """Supervised fine-tuning with MaxText on a reservation-bound Cloud TPU VM.
 
 The tutorial this automates, step by step (see README.md):
+  0. check the token, model, dataset, reservation and output location (nothing is paid for yet)
   1. create the TPU VM (ct6e-standard-8t, RESERVATION_BOUND, terminates by DELETE)
   2. install MaxText on it
   3. convert the Hugging Face checkpoint to MaxText format
@@ -22,7 +23,9 @@ from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome, record_failure
 from maxtext_sft.params import pipeline_params
 from maxtext_sft.plan import plan_run as plan
+from maxtext_sft.preflight import run_preflight
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
+from maxtext_sft.spec import RunSpec
 
 GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
 SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
@@ -52,6 +55,16 @@ with DAG(
         return plan(context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID)
 
     run = plan_run()
+
+    @task
+    def preflight(spec: dict, **context):
+        """Check what would otherwise fail on the paid-for VM: token and model access, the dataset
+        and its revision, the reservation's machine type and free capacity, the output location."""
+        return run_preflight(
+            RunSpec.from_dict(spec), gcp_conn_id=GCP_CONN_ID, hf_conn_id=HF_CONN_ID, log=context["task"].log
+        )
+
+    checked = preflight(run["spec"])
     vm_connections = {"gcp_conn_id": GCP_CONN_ID, "ssh_conn_id": SSH_CONN_ID}
     step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID}
 
@@ -128,6 +141,7 @@ with DAG(
 
     (
         run
+        >> checked
         >> vm_lease
         >> create_vm
         >> wait_for_ssh

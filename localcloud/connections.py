@@ -39,11 +39,22 @@ LOCAL_OUTPUTS_CONF = {
 }
 
 
+# What the tutorial's run reads from the Hub, as the local Hub holds it (the preflight checks them;
+# the MaxText stand-in and the real image's toy do not download them).
+LOCAL_HUB_MODEL = "google/gemma-3-4b-it"  # gated, like the real one
+LOCAL_HUB_DATASET = "HuggingFaceH4/ultrachat_200k"
+
+
 def prepare_local_cloud(cloud, hf_token: str) -> None:
-    """What a team has before its first run: the output bucket, and a Hub account whose write token
-    the Hugging Face connection holds."""
+    """What a team has before its first run: the output bucket, a Hub account whose write token
+    the Hugging Face connection holds, with the gated base model's licence accepted."""
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")
+    cloud.hub.seed_repo(LOCAL_HUB_MODEL, {"config.json": '{"model_type": "gemma3"}'}, gated=True)
+    cloud.hub.grant(LOCAL_HUB_USER, LOCAL_HUB_MODEL)
+    cloud.hub.seed_repo(
+        LOCAL_HUB_DATASET, {"data/train_sft-00000-of-00001.parquet": b"stand-in"}, repo_type="dataset"
+    )
 
 
 def generate_ssh_private_key() -> str:

@@ -54,6 +54,7 @@ ROUTES = [
     ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("GET", rf"{_API}(?:/revision/(?P<rev>[^/]+))?", "repo_info"),
     ("GET", rf"{_API}/refs", "refs"),
+    ("GET", rf"{_API}/auth-check", "auth_check"),
     ("GET", rf"{_API}/commits/(?P<rev>[^/]+)", "commits"),
     ("GET", rf"{_API}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", "tree"),
     ("POST", rf"{_API}/paths-info/(?P<rev>[^/]+)", "paths_info"),
@@ -248,6 +249,18 @@ class HubApi:
             raise HubError(403, message)
 
     @staticmethod
+    def _require_gate_passed(req: Request, repo: Repo) -> None:
+        """A gated repo's files are for its namespace's members and the users granted access."""
+        caller = req.caller
+        if repo.gated and not caller.member_of(repo.namespace) and caller.user not in repo.grants:
+            kind = repo.type
+            if caller.user is None:
+                raise HubError(401, f"Access to {kind} {repo.id} is restricted. You must have access to it "
+                                    "and be authenticated to access it. Please log in.", "GatedRepo")
+            raise HubError(403, f"Access to {kind} {repo.id} is restricted and you are not in the authorized "
+                                f"list. Visit {req.base}{repo_url_path(kind, repo.id)} to ask for access.", "GatedRepo")
+
+    @staticmethod
     def _revision(repo: Repo, revision: str) -> str:
         commit_id = repo.resolve(revision)
         if commit_id is None:
@@ -348,6 +361,11 @@ class HubApi:
         if expand:  # only the asked properties, as the Hub does
             info = {k: v for k, v in info.items() if k in expand or k in ("_id", "id")}
         return Reply(payload=info)
+
+    def auth_check(self, req: Request, types: str, ns: str, name: str) -> Reply:
+        """What huggingface_hub's auth_check asks: may the caller read this repo's files?"""
+        self._require_gate_passed(req, self._repo(req, ns, name, types))
+        return Reply(200, {})
 
     def refs(self, req: Request, types: str, ns: str, name: str) -> Reply:
         repo = self._repo(req, ns, name, types)
@@ -600,14 +618,7 @@ class HubApi:
     def resolve(self, req: Request, ns: str, name: str, rev: str, path: str, prefix: str | None = None) -> Reply:
         with self.lock:
             repo = self._repo(req, ns, name, prefix=prefix)
-            caller = req.caller
-            if repo.gated and not caller.member_of(repo.namespace) and caller.user not in repo.grants:
-                kind = repo.type
-                if caller.user is None:
-                    raise HubError(401, f"Access to {kind} {repo.id} is restricted. You must have access to it "
-                                        "and be authenticated to access it. Please log in.", "GatedRepo")
-                raise HubError(403, f"Access to {kind} {repo.id} is restricted and you are not in the authorized "
-                                    f"list. Visit {req.base}{repo_url_path(kind, repo.id)} to ask for access.", "GatedRepo")
+            self._require_gate_passed(req, repo)
             commit_id = self._revision(repo, rev)
             entry = repo.files(commit_id).get(path)
             if entry is None:

@@ -14,6 +14,7 @@ from tests.conftest import REPO
 
 TASK_ORDER = [
     "plan_run",
+    "preflight",
     "vm_lease",
     "create_vm",
     "wait_for_ssh",
@@ -37,7 +38,7 @@ def dag():
     return bag.dags["maxtext_sft"]
 
 
-@pytest.mark.parametrize(("dag_file", "tasks"), [("maxtext_sft.py", 13), ("maxtext_sft_janitor.py", 1)])
+@pytest.mark.parametrize(("dag_file", "tasks"), [("maxtext_sft.py", 14), ("maxtext_sft_janitor.py", 1)])
 def test_parses_without_network_database_connections_or_variables(dag_file, tasks):
     """Import the DAG file with every kind of remote or slow access turned into an error."""
     guard = textwrap.dedent(

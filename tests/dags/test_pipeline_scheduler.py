@@ -72,6 +72,7 @@ def airflow(request, tmp_path, pipeline_connections, postgres_server):
 def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cloud):
     from localcloud.connections import LOCAL_RUN_CONF
 
+    fault_tally.fault_injected()
     local_cloud.clear_requests()
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
     try:
@@ -82,12 +83,17 @@ def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cl
         wait_until(lambda: airflow.task_states(run_id).get("delete_vm") == "success", 180, "the delete")
     finally:
         local_cloud.set_vm_file("maxtext-faults.json", "{}")
-    assert local_cloud.vms() == []
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
     # Airflow brings the run back to running for its teardown; it must still end failed.
-    final = wait_until(lambda: airflow.run(run_id)["state"] in ("success", "failed") and airflow.run(run_id), 120, "the run to end")
+    final = wait_for_run_end(airflow, run_id, timeout=120)
     states = airflow.task_states(run_id)
     assert final["state"] == "failed", states
     assert states["check_run_outcome"] == "failed"
+    error = outcome_error(airflow, run_id)
+    fault_tally.failed_run(error, "wait_for_final_checkpoint=failed")
+    assert "wait_for_final_checkpoint=failed" in error
     deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
     assert len(deletes) == 1 and deletes[0]["status"] == 200
 

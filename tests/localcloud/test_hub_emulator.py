@@ -333,6 +333,19 @@ def test_gated_repo_needs_a_grant(hub, tmp_path):
     assert json.loads(Path(path).read_text()) == {"model_type": "gemma3"}
 
 
+def test_auth_check_answers_whether_the_files_are_readable(hub):
+    hub.seed_repo("google/gemma-auth", {"config.json": "{}"}, gated=True)
+    bob = api(hub, BOB)
+    with pytest.raises(GatedRepoError):
+        bob.auth_check("google/gemma-auth")
+    with pytest.raises(RepositoryNotFoundError):
+        bob.auth_check("google/no-such-model")
+    hub.grant("bob", "google/gemma-auth")
+    bob.auth_check("google/gemma-auth")  # no error: access granted
+    hub.seed_repo("open/dataset", {"data/train.parquet": b"x"}, repo_type="dataset")
+    bob.auth_check("open/dataset", repo_type="dataset")
+
+
 def test_private_repo_does_not_exist_for_others(hub, tmp_path):
     alice = api(hub)
     alice.create_repo("alice/secret", private=True)

@@ -38,6 +38,9 @@ For a train_sft fault at step k (only steps this run actually trains count):
   loss_nan_from_step  the loss of step k and later is logged as nan (a diverged
                       run); training otherwise finishes normally.
 A converter "fail" raises RuntimeError(message): a traceback and exit 1.
+Any of the three may carry "barrier": NAME (see hold_at_barrier): the command
+waits at its start, with the Hugging Face token in its environment, until a test
+lets it go on.
 
 Logging
 -------
@@ -86,9 +89,10 @@ _FAULT_KEYS = {
         "partial_checkpoint_at_step",
         "partial_checkpoint_exit_at_step",
         "loss_nan_from_step",
+        "barrier",
     },
-    "to_maxtext": {"fail"},
-    "to_huggingface": {"fail"},
+    "to_maxtext": {"fail", "barrier"},
+    "to_huggingface": {"fail", "barrier"},
 }
 
 
@@ -111,7 +115,10 @@ def load_faults():
                 if not isinstance(value, dict) or not set(value) <= _FAULT_KEYS[key]:
                     raise ValueError(f"{key} takes an object with keys among {sorted(_FAULT_KEYS[key])}")
                 for name, arg in value.items():
-                    ok = isinstance(arg, str) if name == "fail" else (type(arg) is int and arg >= 1)
+                    if name == "barrier":
+                        ok = isinstance(arg, str) and re.fullmatch(r"[A-Za-z0-9._-]+", arg) is not None
+                    else:
+                        ok = isinstance(arg, str) if name == "fail" else (type(arg) is int and arg >= 1)
                     if not ok:
                         raise ValueError(f"{key}.{name} has a bad value: {arg!r}")
             else:
@@ -120,6 +127,19 @@ def load_faults():
         raise SystemExit(f"MaxText stand-in: bad fault file {path}: {err}") from None
     faults.setdefault("seconds_per_step", DEFAULT_SECONDS_PER_STEP)
     return faults
+
+
+def hold_at_barrier(fault):
+    """The fault key "barrier": NAME holds the command at its start, its secrets in hand, so a test
+    can look at the VM without racing it: it writes /dev/shm/.standin-at-barrier-NAME, then waits
+    while /run/localcloud/NAME exists (the test removes that file to let it go on)."""
+    name = fault.get("barrier")
+    if not name:
+        return
+    Path("/dev/shm", f".standin-at-barrier-{name}").write_text(str(os.getpid()))
+    gate = Path(DEFAULT_FAULTS_PATH).parent / name
+    while gate.exists():
+        time.sleep(0.05)  # polling interval: the gate file is checked again each time
 
 
 def announce(command):

@@ -87,3 +87,13 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             except binascii.Error:
                 continue
         return keys
+
+    def get_reservation(self, name: str, zone: str, project_id: str) -> dict | None:
+        """The reservation resource (REST JSON), or None if the zone has none of that name."""
+        request = self.get_conn().reservations().get(project=project_id, zone=zone, reservation=name)
+        try:
+            return request.execute(num_retries=self.num_retries)
+        except HttpError as error:
+            if error.resp.status == 404:
+                return None
+            raise

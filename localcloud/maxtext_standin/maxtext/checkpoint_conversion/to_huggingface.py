@@ -40,6 +40,7 @@ def main(argv):
     flags, args = s.parse_absl_flags(argv, bool_flags=["override_model_architecture"])
     faults = s.load_faults()
     s.announce("to_huggingface")
+    s.hold_at_barrier(faults.get("to_huggingface", {}))
     config = s.parse_config(args)
     if config.load_full_state_path != "":
         raise AssertionError("This script expects parameters, not a full state. "

@@ -35,6 +35,7 @@ def main(argv):
     flags, args = parser.parse_known_args(argv[1:])
     faults = s.load_faults()
     s.announce("to_maxtext")
+    s.hold_at_barrier(faults.get("to_maxtext", {}))
     overall_start = time.time()
 
     model_name = next((s.parse_value(arg.split("=", 1)[1]) for arg in args if arg.startswith("model_name=")), None)

@@ -53,6 +53,7 @@ def main(argv):
     config = s.parse_config(args, defaults=s.SFT_YML)
     fault = faults.get("train_sft", {})
     seconds_per_step = faults["seconds_per_step"]
+    s.hold_at_barrier(fault)
 
     if config.load_parameters_path:
         s.read_params(config.load_parameters_path, config)

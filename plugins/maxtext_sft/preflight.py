@@ -1,0 +1,128 @@
+"""Checks before the VM is paid for: everything that would otherwise fail on the VM, found first.
+
+Each check names what is wrong and how to fix it; `run_preflight` runs them all and fails the
+task (no retries) listing every failure, so one trigger shows every problem of a conf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.hub import HuggingFaceHubHook
+from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.spec import RunSpec
+
+
+class PreflightFailed(Exception):
+    """One check's finding: what is wrong and what to do about it."""
+
+
+def checkpoint_repo(spec: RunSpec) -> str | None:
+    """The Hub repo the conversion downloads; None when it reads a folder on the VM (--hf_model_path)."""
+    for arg in spec.convert_extra_args:
+        key, _, value = arg.lstrip("-").partition("=")
+        if key == "hf_model_path":
+            return None if value.startswith(("/", "~", ".")) else value
+    return spec.base_model_id
+
+
+def check_hub_access(api: HfApi, spec: RunSpec) -> str:
+    try:
+        user = api.whoami()["name"]
+    except HfHubHTTPError as error:
+        if error.response is not None and error.response.status_code == 401:
+            raise PreflightFailed("the Hugging Face token is invalid or expired (connection password)") from None
+        raise
+    repo = checkpoint_repo(spec)
+    if repo is None:
+        return f"token of {user}; the base checkpoint is a folder on the VM"
+    try:
+        api.auth_check(repo)
+        if spec.model_revision:
+            api.model_info(repo, revision=spec.model_revision)
+    except GatedRepoError:
+        raise PreflightFailed(
+            f"the Hugging Face token ({user}) has no access to the gated model {repo}: accept its licence "
+            "on the Hub with that account"
+        ) from None
+    except RevisionNotFoundError:
+        raise PreflightFailed(f"model {repo} has no revision {spec.model_revision!r} (Param model_revision)") from None
+    except RepositoryNotFoundError:
+        raise PreflightFailed(f"model {repo} does not exist on the Hub, or the token ({user}) cannot see it") from None
+    return f"token of {user} may read {repo}"
+
+
+def check_dataset(api: HfApi, spec: RunSpec) -> str:
+    if spec.dataset_name.startswith("/"):
+        return f"dataset {spec.dataset_name} is a folder on the VM: not checked"
+    try:
+        info = api.dataset_info(spec.dataset_name, revision=spec.dataset_revision)
+        api.auth_check(spec.dataset_name, repo_type="dataset")
+    except RevisionNotFoundError:
+        raise PreflightFailed(
+            f"dataset {spec.dataset_name} has no revision {spec.dataset_revision!r} (Param dataset_revision)"
+        ) from None
+    except GatedRepoError:
+        raise PreflightFailed(f"the Hugging Face token has no access to the gated dataset {spec.dataset_name}") from None
+    except RepositoryNotFoundError:
+        raise PreflightFailed(f"dataset {spec.dataset_name} does not exist on the Hub, or the token cannot see it") from None
+    return f"dataset {spec.dataset_name} at {spec.dataset_revision or 'its default branch'} is commit {info.sha}"
+
+
+def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec) -> str:
+    reservation = compute.get_reservation(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
+    where = f"reservation {spec.reservation} in {spec.project_id}/{spec.zone}"
+    if reservation is None:
+        raise PreflightFailed(f"{where} does not exist (Params reservation, zone, project_id)")
+    specific = reservation.get("specificReservation") or {}
+    machine_type = (specific.get("instanceProperties") or {}).get("machineType", "").rsplit("/", 1)[-1]
+    if machine_type != spec.machine_type:
+        raise PreflightFailed(f"{where} holds {machine_type or 'no'} machines, not {spec.machine_type}")
+    count, in_use = int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+    if in_use >= count:
+        raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use")
+    return f"{where}: {count - in_use} of {count} {machine_type} free"
+
+
+def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
+    if not spec.durable:
+        return "no output_location: outputs stay on the VM until collect_outputs copies the export"
+    probe = f"{spec.run_output_dir}/.preflight-write-probe"
+    try:
+        storage.create_once(probe, "{}")
+        bucket, name = split_gcs_uri(probe)
+        storage.delete(bucket, name)
+    except Exception as error:  # noqa: BLE001 - any refusal means the same thing to the user
+        raise PreflightFailed(f"output_location {spec.output_location} is not writable: {error}") from None
+    return f"output_location {spec.output_location} is writable"
+
+
+def run_preflight(spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any) -> list[str]:
+    """Run every check; fail (without retries) naming every failure, or return what was found."""
+    api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
+    checks = [
+        ("Hugging Face token", lambda: check_hub_access(api, spec)),
+        ("dataset", lambda: check_dataset(api, spec)),
+        ("reservation", lambda: check_reservation(ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+    ]
+    found, failures = [], []
+    for name, check in checks:
+        try:
+            found.append(f"{name}: {check()}")
+            log.info("Preflight %s", found[-1])
+        except PreflightFailed as failure:
+            failures.append(f"{name}: {failure}")
+    if failures:
+        raise AirflowFailException("Preflight failed, no VM was created:\n" + "\n".join(failures))
+    return found

@@ -1,0 +1,100 @@
+"""Each preflight failure stops the run before a VM exists, naming what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+
+import pytest
+
+from localcloud.connections import LOCAL_HUB_USER, LOCAL_PROJECT
+from tests.dags import fault_tally
+
+pytestmark = pytest.mark.e2e
+ZONE = "us-east5-b"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    conf: dict = dataclasses.field(default_factory=dict)
+    token: str | None = None  # "invalid": unknown to the Hub; "no-licence": a user without the model's grant
+    cause: str = ""
+
+
+CASES = [
+    Case("invalid token", token="invalid", cause="the Hugging Face token is invalid or expired"),
+    Case(
+        "token without the gated model's licence",
+        token="no-licence",
+        cause="has no access to the gated model google/gemma-3-4b-it",
+    ),
+    Case("model revision missing", {"model_revision": "no-such-revision"}, cause="has no revision 'no-such-revision'"),
+    Case(
+        "dataset missing",
+        {"dataset_name": f"{LOCAL_HUB_USER}/no-such-dataset"},
+        cause=f"dataset {LOCAL_HUB_USER}/no-such-dataset does not exist",
+    ),
+    Case("dataset revision missing", {"dataset_revision": "no-such-revision"}, cause="has no revision 'no-such-revision'"),
+    Case("reservation missing", {"reservation": "no-such-reservation"}, cause="no-such-reservation in local-project/us-east5-b does not exist"),
+    Case("reservation full", {"reservation": "preflight-full"}, cause="has no free capacity: 1 of 1 machines in use"),
+    Case("reservation of another machine type", {"reservation": "preflight-v5e"}, cause="holds ct5lp-hightpu-8t machines"),
+    Case("output location not writable", {"output_location": "gs://no-such-bucket/runs"}, cause="is not writable"),
+]
+
+
+@pytest.fixture(scope="module")
+def reservations(local_cloud, pipeline_connections):
+    """A reservation whose one machine is taken, and one of another machine type."""
+    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+
+    local_cloud.add_reservation("preflight-full", count=1)
+    local_cloud.add_reservation("preflight-v5e", count=4, machine_type="ct5lp-hightpu-8t")
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    where = {"zone": ZONE, "project_id": LOCAL_PROJECT}
+    body = {
+        "name": "preflight-holder",
+        "machine_type": f"zones/{ZONE}/machineTypes/ct6e-standard-8t",
+        "disks": [{"boot": True, "auto_delete": True, "initialize_params": {
+            "source_image": "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
+        }}],
+        "network_interfaces": [{"network": "global/networks/default"}],
+        "reservation_affinity": {
+            "consume_reservation_type": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": ["preflight-full"],
+        },
+    }
+    compute.insert_instance(body=body, **where)
+    yield
+    compute.delete_instance(resource_id="preflight-holder", **where)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_preflight_stops_the_run_before_any_vm(case, reservations, run_pipeline, local_cloud, monkeypatch):
+    if case.token:
+        token = f"hf_preflight{secrets.token_hex(12)}"
+        if case.token == "no-licence":
+            local_cloud.hub.add_user(f"user-{token[-8:]}", token, role="read")
+        connection = {"conn_type": "generic", "password": token, "extra": {"endpoint": local_cloud.hub.endpoint}}
+        monkeypatch.setenv("AIRFLOW_CONN_HUGGINGFACE_DEFAULT", json.dumps(connection))
+    fault_tally.fault_injected()
+    run = run_pipeline(case.conf)
+    leaked = [vm for vm in local_cloud.vms() if vm["name"] != "preflight-holder"]
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    assert [r for r in local_cloud.requests() if r["method"] == "POST"] == []  # no insert, nothing written
+    assert run.state == "failed"
+    assert run.task_states["preflight"] == "failed", run.task_states
+    assert run.task_states["create_vm"] in ("upstream_failed", "skipped", None), run.task_states
+    error = run.log[run.log.rindex("Preflight failed, no VM was created") :][:3000]
+    fault_tally.failed_run(error, case.cause)
+    assert case.cause in error, error
+
+
+def test_every_failure_is_named_at_once(reservations, run_pipeline, local_cloud):
+    run = run_pipeline({"dataset_name": f"{LOCAL_HUB_USER}/no-such-dataset", "reservation": "no-such-reservation"})
+    error = run.log[run.log.rindex("Preflight failed") :][:2000]
+    assert "dataset: dataset" in error and "reservation: reservation no-such-reservation" in error
+    assert [r for r in local_cloud.requests() if r["method"] == "POST"] == []
