@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 LOCAL_PROJECT = "local-project"
+LOCAL_ZONE = "us-east5-b"  # the pipeline's default zone (the tutorial's)
 VM_USER = "maxtext"
 LOCAL_BUCKET = "local-models"
 LOCAL_HUB_USER = "local-team"  # owner of the test token on the local Hub, and of the repos runs publish
@@ -39,9 +40,14 @@ LOCAL_OUTPUTS_CONF = {
 }
 
 
+# VMs the local reservation holds: room for the runs and VMs a test session has at once.
+LOCAL_RESERVATION_COUNT = 8
+
+
 def prepare_local_cloud(cloud, hf_token: str) -> None:
-    """What a team has before its first run: the output bucket, and a Hub account whose write token
-    the Hugging Face connection holds."""
+    """What a team has before its first run: the reservation the run conf names, the output bucket,
+    and a Hub account whose write token the Hugging Face connection holds."""
+    cloud.add_reservation(LOCAL_RUN_CONF["reservation"], LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")
 
