@@ -252,6 +252,15 @@ class LocalCloud:
         """Freeze the sshd of running VM `name` (connections queue, no SSH banner) or let it go on."""
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/sshd", {"paused": paused})
 
+    def add_reservation(
+        self, name: str, count: int, machine_type: str = "ct6e-standard-8t", *, zone: str, project: str
+    ) -> dict:
+        """Create reservation `name` of `count` VMs of `machine_type` in `project`/`zone` (or change
+        an existing one's count and machine type); returns it as reservations.get does. Inserts
+        naming a reservation that does not exist there are refused, as on Compute Engine."""
+        body = {"project": project, "zone": zone, "name": name, "count": count, "machine_type": machine_type}
+        return self._control("POST", "reservations", body)
+
     def add_image(self, key: str, image_dir: Path) -> None:
         """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""
         self.images[key] = Path(image_dir)

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 LOCAL_PROJECT = "local-project"
+LOCAL_ZONE = "us-east5-b"  # the pipeline's default zone (the tutorial's)
 VM_USER = "maxtext"
 LOCAL_BUCKET = "local-models"
 LOCAL_HUB_USER = "local-team"  # owner of the test token on the local Hub, and of the repos runs publish
@@ -43,11 +44,15 @@ LOCAL_OUTPUTS_CONF = {
 # the MaxText stand-in and the real image's toy do not download them).
 LOCAL_HUB_MODEL = "google/gemma-3-4b-it"  # gated, like the real one
 LOCAL_HUB_DATASET = "HuggingFaceH4/ultrachat_200k"
+# VMs the local reservation holds: room for the runs and VMs a test session has at once.
+LOCAL_RESERVATION_COUNT = 8
 
 
 def prepare_local_cloud(cloud, hf_token: str) -> None:
-    """What a team has before its first run: the output bucket, a Hub account whose write token
-    the Hugging Face connection holds, with the gated base model's licence accepted."""
+    """What a team has before its first run: the reservation the run conf names, the output bucket,
+    a Hub account whose write token the Hugging Face connection holds, with the gated base model's
+    licence accepted."""
+    cloud.add_reservation(LOCAL_RUN_CONF["reservation"], LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")
     cloud.hub.seed_repo(LOCAL_HUB_MODEL, {"config.json": '{"model_type": "gemma3"}'}, gated=True)

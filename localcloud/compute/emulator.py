@@ -6,6 +6,12 @@ worker thread carries it to DONE. Links in responses use the request's own schem
 
 Emulator-only control paths are under /_localcloud/ (see `ControlApi`); nothing there is
 part of the Compute Engine API.
+
+Reservations are read-only through the API (reservations.get and list); tests create them with
+the control call POST /_localcloud/reservations. An insert that targets a reservation by name
+(SPECIFIC_RESERVATION) is refused as Compute Engine refuses it when the reservation is missing
+from the zone, reserves another machine type or is fully used; otherwise the instance consumes
+one unit of it until it is deleted or stopped (see `ComputeEmulator.reservation_in_use`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ _URL_PREFIX = re.compile(r"^https?://[^/]+/compute/(?:v1|beta|alpha)/")
 # Compute Engine's bounds for a VM's time limit (scheduling.maxRunDuration / terminationTime).
 MIN_RUN_SECONDS = 30
 MAX_RUN_SECONDS = 120 * 24 * 3600
+# reservationAffinity.key that names a reservation (SPECIFIC_RESERVATION).
+RESERVATION_NAME_KEY = "compute.googleapis.com/reservation-name"
 
 # Operation error code → (httpErrorStatusCode) as the real API reports it.
 _OPERATION_ERROR_STATUS = {
@@ -145,8 +153,8 @@ class Request:
 # ----- error catalog -----------------------------------------------------------------------------
 # Compute Engine's own wording of the errors the faults inject, as public reports of real errors
 # show it: the zone-exhausted and quota messages (operation errors, gcloud and Terraform output;
-# the double spaces are theirs), the two reservation messages (matched by Google's GKE tooling), the
-# internal-error format. Which HTTP status and reason the API gives the reservation errors when it
+# the double spaces are theirs), the three reservation messages (matched by Google's GKE tooling and
+# the Kubernetes cluster autoscaler's GCE client), the internal-error format. Which HTTP status and reason the API gives the reservation errors when it
 # refuses the insert itself is not documented: 400 `invalid` here (a rule can override both).
 # `{project}`, `{zone}`, `{region}`, `{name}` and `{reservation}` are filled in from the request.
 
@@ -183,6 +191,8 @@ INSERT_REJECTIONS = {
     "reservation_no_capacity": (
         400, "invalid", "Reservation {reservation} does not have sufficient capacity for the requested resources.",
     ),
+    # The instance's properties (here: its machine type) are not the reservation's.
+    "reservation_mismatch": (400, "invalid", "Reservation {reservation} is incorrect for the requested resources."),
 }
 
 # http_errors: the reason (and for some, the canonical status and error domain) an injected HTTP
@@ -244,7 +254,10 @@ class Faults:
         zone_resource_pool_exhausted_with_details (503), reservation_not_found (400 invalid,
         "Could not find the given reservation with the following name: NAME"),
         reservation_no_capacity (400 invalid, "Reservation NAME does not have sufficient capacity
-        for the requested resources."); explicit reason, status or message override the preset.
+        for the requested resources."), reservation_mismatch (400 invalid, "Reservation NAME is
+        incorrect for the requested resources."); explicit reason, status or message override the
+        preset. The same three errors come without a fault from real reservations (see
+        `ComputeEmulator.reservation_to_consume`); a fault is taken first, so it wins.
 
     operation_errors  {"operation": "insert" | "delete", "code": "INTERNAL_ERROR", "message": ...,
                        "http_status": 500, "leave_instance": false, "name_regex", "count"}
@@ -531,6 +544,7 @@ class Instance:
         self.termination_action: str | None = None  # "DELETE" | "STOP"
         self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
         self.published_host_key: tuple[str, str] | None = None  # host_key_mismatch: (type, base64)
+        self.reservation: tuple[str, str, str] | None = None  # (project, zone, name) it consumes
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
         self.work_lock = threading.Lock()
 
@@ -541,6 +555,27 @@ class Instance:
     @property
     def status(self) -> str:
         return self.resource["status"]
+
+
+@dataclasses.dataclass
+class Reservation:
+    """A specific reservation of `count` VMs of one machine type in one zone."""
+
+    project: str
+    zone: str
+    name: str
+    count: int
+    machine_type: str  # a name, as the reservation's instanceProperties.machineType holds it
+    id: str = dataclasses.field(default_factory=new_id)
+    creation_timestamp: str = dataclasses.field(default_factory=now_rfc3339)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.project, self.zone, self.name)
+
+    @property
+    def path(self) -> str:
+        return f"projects/{self.project}/zones/{self.zone}/reservations/{self.name}"
 
 
 class ComputeEmulator:
@@ -565,6 +600,7 @@ class ComputeEmulator:
         self.instances: dict[tuple[str, str, str], Instance] = {}
         self.operations: dict[tuple[str, str, str], dict] = {}
         self.request_ids: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.reservations: dict[tuple[str, str, str], Reservation] = {}
         self.ip_leases: dict[str, int] = {}  # address -> fd holding its machine-wide flock
         self.faults = Faults()
         self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
@@ -589,6 +625,13 @@ class ComputeEmulator:
             "GET",
             r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/getGuestAttributes",
             "get_guest_attributes",
+        ),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/reservations", "list_reservations"),
+        ("GET", r"projects/(?P<project>[^/]+)/aggregated/reservations", "aggregated_list_reservations"),
+        (
+            "GET",
+            r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/reservations/(?P<reservation>[^/]+)",
+            "get_reservation",
         ),
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)", "get_operation"),
         ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_operation"),
@@ -655,32 +698,32 @@ class ComputeEmulator:
     def list_instances(self, project: str, zone: str, req: Request) -> dict:
         with self.lock:
             resources = [copy.deepcopy(i.resource) for i in self.instances.values() if (i.project, i.zone) == (project, zone)]
+        return self._zonal_list("compute#instanceList", f"projects/{project}/zones/{zone}/instances", resources, req)
+
+    def aggregated_list_instances(self, project: str, req: Request) -> dict:
+        with self.lock:
+            resources = [copy.deepcopy(i.resource) for i in self.instances.values() if i.project == project]
+        return self._aggregated_list("compute#instanceAggregatedList", project, "instances", resources, req)
+
+    def _zonal_list(self, kind: str, path: str, resources: list[dict], req: Request) -> dict:
+        """One page of a zone's resources of one collection (a *List)."""
         page, token = self._page(resources, req)
-        result = {
-            "kind": "compute#instanceList",
-            "id": f"projects/{project}/zones/{zone}/instances",
-            "selfLink": Link(f"projects/{project}/zones/{zone}/instances"),
-        }
+        result = {"kind": kind, "id": path, "selfLink": Link(path)}
         if page:
             result["items"] = page
         if token:
             result["nextPageToken"] = token
         return result
 
-    def aggregated_list_instances(self, project: str, req: Request) -> dict:
-        with self.lock:
-            resources = [copy.deepcopy(i.resource) for i in self.instances.values() if i.project == project]
+    def _aggregated_list(self, kind: str, project: str, collection: str, resources: list[dict], req: Request) -> dict:
+        """One page of a project's resources of one collection, grouped by zone (an *AggregatedList)."""
         page, token = self._page(resources, req)
         items: dict[str, dict] = {}
         for resource in page:
             zone = resource["zone"].path.rsplit("/", 1)[1]
-            items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(resource)
-        result = {
-            "kind": "compute#instanceAggregatedList",
-            "id": f"projects/{project}/aggregated/instances",
-            "items": items,
-            "selfLink": Link(f"projects/{project}/aggregated/instances"),
-        }
+            items.setdefault(f"zones/{zone}", {collection: []})[collection].append(resource)
+        path = f"projects/{project}/aggregated/{collection}"
+        result = {"kind": kind, "id": path, "items": items, "selfLink": Link(path)}
         if token:
             result["nextPageToken"] = token
         return result
@@ -721,7 +764,9 @@ class ComputeEmulator:
             scheduling = resource["scheduling"]
             if rejection := self.faults.take("insert_rejected", name=name):
                 raise self._insert_rejection(rejection, project, zone, body)
+            reservation = self.reservation_to_consume(project, zone, body, resource)
             inst = Instance(project, zone, name, resource, image_dir)
+            inst.reservation = reservation
             inst.termination_action = scheduling.get("instanceTerminationAction")
             if "maxRunDuration" in scheduling:
                 duration = scheduling["maxRunDuration"]
@@ -767,6 +812,111 @@ class ComputeEmulator:
                 reservation=values[0].rsplit("/", 1)[-1],
             ),
         )
+
+    # ----- reservations ------------------------------------------------------------------------
+
+    def reservation_in_use(self, reservation: Reservation) -> int:
+        """How many instances consume `reservation` (under the lock): those not deleted and not
+        stopped. A stopped (TERMINATED) instance gives its unit back on Compute Engine, and a
+        restart consumes again; this emulator never restarts one, so it simply stops counting.
+        An instance being deleted (STOPPING) still holds its unit until it is gone."""
+        return sum(
+            1 for inst in self.instances.values() if inst.reservation == reservation.key and inst.status != "TERMINATED"
+        )
+
+    def reservation_to_consume(
+        self, project: str, zone: str, body: dict, resource: dict
+    ) -> tuple[str, str, str] | None:
+        """The reservation a new instance consumes (under the lock), or the API's refusal.
+
+        Only affinity SPECIFIC_RESERVATION by name (key compute.googleapis.com/reservation-name)
+        is enforced; its value is a reservation of the instance's project, or
+        "projects/OTHER/reservations/NAME" (a shared reservation), always in the instance's zone.
+        Other affinities (any reservation, none, by label) consume nothing here.
+        """
+        affinity = body.get("reservationAffinity") or {}
+        if affinity.get("consumeReservationType") != "SPECIFIC_RESERVATION":
+            return None
+        if affinity.get("key") != RESERVATION_NAME_KEY:
+            return None
+        values = affinity.get("values") or []
+        if not values:
+            raise errors.required_field("resource.reservationAffinity.values")
+        m = re.fullmatch(r"(?:projects/(?P<project>[^/]+)/reservations/)?(?P<name>[^/]+)", relative_url(values[0]))
+        key = (m.group("project") or project, zone, m.group("name")) if m else None
+        reservation = self.reservations.get(key) if key else None
+        if reservation is None:
+            raise self._insert_rejection({"preset": "reservation_not_found"}, project, zone, body)
+        if resource["machineType"].path.rsplit("/", 1)[1] != reservation.machine_type:
+            raise self._insert_rejection({"preset": "reservation_mismatch"}, project, zone, body)
+        if self.reservation_in_use(reservation) >= reservation.count:
+            raise self._insert_rejection({"preset": "reservation_no_capacity"}, project, zone, body)
+        return reservation.key
+
+    def _reservation_resource(self, reservation: Reservation) -> dict:
+        """compute#reservation as the API returns it (under the lock); int64 counts are strings."""
+        base = f"projects/{reservation.project}/zones/{reservation.zone}"
+        return {
+            "kind": "compute#reservation",
+            "id": reservation.id,
+            "creationTimestamp": reservation.creation_timestamp,
+            "name": reservation.name,
+            "zone": Link(base),
+            "selfLink": Link(reservation.path),
+            "status": "READY",
+            "specificReservationRequired": True,
+            "shareSettings": {"shareType": "LOCAL"},
+            "specificReservation": {
+                "count": str(reservation.count),
+                "inUseCount": str(self.reservation_in_use(reservation)),
+                "instanceProperties": {"machineType": reservation.machine_type},
+            },
+        }
+
+    def get_reservation(self, project: str, zone: str, reservation: str, req: Request) -> dict:
+        with self.lock:
+            found = self.reservations.get((project, zone, reservation))
+            if found is None:
+                raise errors.not_found(f"projects/{project}/zones/{zone}/reservations/{reservation}")
+            return self._reservation_resource(found)
+
+    def list_reservations(self, project: str, zone: str, req: Request) -> dict:
+        with self.lock:
+            resources = [
+                self._reservation_resource(r) for r in self.reservations.values() if (r.project, r.zone) == (project, zone)
+            ]
+        return self._zonal_list("compute#reservationList", f"projects/{project}/zones/{zone}/reservations", resources, req)
+
+    def aggregated_list_reservations(self, project: str, req: Request) -> dict:
+        """What `gcloud compute reservations list` asks: every zone's, grouped by zone."""
+        with self.lock:
+            resources = [self._reservation_resource(r) for r in self.reservations.values() if r.project == project]
+        return self._aggregated_list("compute#reservationAggregatedList", project, "reservations", resources, req)
+
+    def set_reservation(self, settings: object) -> dict:
+        """Create a reservation, or change the count and machine type of an existing one (the
+        control call; Compute Engine's own insert and resize are not emulated)."""
+        expected = "Expected {\"project\", \"zone\", \"name\", \"count\": N >= 1, \"machine_type\"}."
+        if not isinstance(settings, dict) or set(settings) != {"project", "zone", "name", "count", "machine_type"}:
+            raise errors.invalid(expected)
+        project, zone, name = settings["project"], settings["zone"], settings["name"]
+        count, machine_type = settings["count"], settings["machine_type"]
+        if not all(isinstance(v, str) and v for v in (project, machine_type)):
+            raise errors.invalid(expected)
+        if not isinstance(zone, str) or not _ZONE.fullmatch(zone):
+            raise errors.invalid_field_value("zone", zone, "Unknown zone.")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise errors.invalid_field_value("name", name, f"Must be a match of regex '{_NAME.pattern}'")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise errors.invalid(expected)
+        with self.lock:
+            reservation = self.reservations.get((project, zone, name))
+            if reservation is None:
+                reservation = Reservation(project, zone, name, count, machine_type)
+                self.reservations[reservation.key] = reservation
+            else:
+                reservation.count, reservation.machine_type = count, machine_type
+            return self._reservation_resource(reservation)
 
     def _new_instance_resource(self, project: str, zone: str, body: dict) -> tuple[dict, Path | None]:
         """Semantic checks of an insert body, and the stored resource with GCE's own fields."""
@@ -1612,6 +1762,9 @@ class ControlApi:
             if not isinstance(body, dict) or set(body) != {"paused"} or not isinstance(body["paused"], bool):
                 raise ApiError(400, "invalid", 'Expected {"paused": true | false}.')
             return 200, emulator.pause_sshd(unquote(m.group(1)), body["paused"])
+        if what == "reservations" and method == "POST":
+            # {"project", "zone", "name", "count", "machine_type"}: create or change a reservation.
+            return 200, emulator.set_reservation(body)
         if what == "images" and method == "POST":  # {"PROJECT/FAMILY": "/abs/image/dir"}, merged
             if not isinstance(body, dict) or not all(isinstance(v, str) and v.startswith("/") for v in body.values()):
                 raise ApiError(400, "invalid", "Expected {\"PROJECT/FAMILY\": \"/absolute/image/dir\"}.")

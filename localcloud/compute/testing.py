@@ -46,10 +46,12 @@ def instance_body(
     metadata: dict[str, str] | None = None,
     labels: dict[str, str] | None = None,
     scheduling: dict | None = None,
+    reservation: str | None = None,
 ) -> dict:
     """An instances.insert body (REST JSON) that boots `image_key` ("PROJECT/FAMILY");
     `scheduling` adds to (or overrides) its scheduling, e.g. a time limit:
-    {"maxRunDuration": {"seconds": 30}, "instanceTerminationAction": "DELETE"}."""
+    {"maxRunDuration": {"seconds": 30}, "instanceTerminationAction": "DELETE"};
+    `reservation` makes it consume that reservation (by name, as gcloud's --reservation sends it)."""
     image_project, family = image_key.split("/", 1)
     body = {
         "name": name,
@@ -73,4 +75,10 @@ def instance_body(
         body["metadata"] = {"items": [{"key": k, "value": v} for k, v in metadata.items()]}
     if labels:
         body["labels"] = labels
+    if reservation:
+        body["reservationAffinity"] = {
+            "consumeReservationType": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": [reservation],
+        }
     return body

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from localcloud.connections import LOCAL_PROJECT
+from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import EXPIRY_LABEL, UNKNOWN, condemned
 from maxtext_sft.spec import PACKAGE_LABEL
@@ -72,7 +72,9 @@ def leftover_vms(local_cloud, pipeline_connections):
         ("live", {EXPIRY_LABEL: str(int(time.time()) + 3600)}, "manual__still-running"),
         ("foreign", None, "manual__x"),
     ]:
-        spec = make_spec(run_id=f"{name}-{time.time_ns()}", project_id=LOCAL_PROJECT)
+        spec = make_spec(
+            run_id=f"{name}-{time.time_ns()}", project_id=LOCAL_PROJECT, reservation=LOCAL_RUN_CONF["reservation"]
+        )
         body = spec.instance_body()
         body["labels"] = {**body["labels"], **labels} if labels is not None else {"team": "other"}
         body["metadata"]["items"][-1]["value"] = run_id

@@ -30,6 +30,10 @@ def instance_requests(cloud, method: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def happy_run(run_pipeline, local_cloud):
+    # The tutorial's reservation: one v6e-8 in its project and zone.
+    local_cloud.add_reservation(
+        TUTORIAL_VALUES["reservation"], 1, zone=TUTORIAL_VALUES["zone"], project=TUTORIAL_VALUES["project_id"]
+    )
     run = run_pipeline(TUTORIAL_VALUES)
     return run, local_cloud.requests()
 

@@ -242,14 +242,13 @@ def test_bad_bodies_are_rejected(compute_discovery):
 # ----- gcloud ---------------------------------------------------------------------------------
 
 
-def test_gcloud_tutorial_commands_match_reference(compute_cloud, tmp_path):
-    reference_file = next((p for p in REFERENCE_CANDIDATES if p.exists()), None)
-    if reference_file is None:
-        pytest.fail(f"reference capture not found in {REFERENCE_CANDIDATES}")
+@pytest.fixture
+def gcloud(tmp_path):
+    """Runs a gcloud command line offline (its own config, a fixed token), asserting it succeeds;
+    `env` adds variables (an endpoint override, say)."""
     if shutil.which("gcloud") is None:
         pytest.fail("gcloud is not installed")
-    reference = json.loads(reference_file.read_text())
-    env = {
+    base_env = {
         **os.environ,
         "CLOUDSDK_CONFIG": str(tmp_path / "gcloud-config"),
         "CLOUDSDK_AUTH_ACCESS_TOKEN": "x",
@@ -264,14 +263,23 @@ def test_gcloud_tutorial_commands_match_reference(compute_cloud, tmp_path):
         "GCE_METADATA_IP": "127.0.0.1:1",
     }
 
-    def gcloud(command: str) -> subprocess.CompletedProcess:
+    def run_gcloud(command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         args = shlex.split(command)
         assert args[0] == "gcloud"
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(args, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
         return done
 
+    return run_gcloud
+
+
+def test_gcloud_tutorial_commands_match_reference(compute_cloud, gcloud):
+    reference_file = next((p for p in REFERENCE_CANDIDATES if p.exists()), None)
+    if reference_file is None:
+        pytest.fail(f"reference capture not found in {REFERENCE_CANDIDATES}")
+    reference = json.loads(reference_file.read_text())
     gcloud(f"gcloud config set api_endpoint_overrides/compute {compute_cloud.compute_endpoint}")
+    compute_cloud.add_reservation("my-reservation", 1, project="my-project", zone=ZONE)  # the tutorial's
     compute_cloud.clear_requests()
     created = gcloud(reference["create_command"])
     assert "my-tpu" in created.stdout and "RUNNING" in created.stdout
@@ -297,6 +305,27 @@ def test_gcloud_tutorial_commands_match_reference(compute_cloud, tmp_path):
     assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
     assert not port_open(vm["ip"])
     assert compute_cloud.deleted_manifest("my-tpu") is not None
+
+
+def test_gcloud_describes_and_lists_reservations(compute_cloud, gcloud):
+    compute_cloud.add_reservation("local-reservation", 8, zone=ZONE, project="local-project")
+    env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
+    described = json.loads(
+        gcloud(
+            "gcloud compute reservations describe local-reservation --zone us-east5-b --project local-project "
+            "--format=json",
+            env,
+        ).stdout
+    )
+    assert described["name"] == "local-reservation" and described["status"] == "READY"
+    assert described["zone"] == f"{compute_cloud.compute_endpoint}projects/local-project/zones/{ZONE}"
+    assert described["specificReservation"] == {
+        "count": "8",
+        "inUseCount": "0",
+        "instanceProperties": {"machineType": "ct6e-standard-8t"},
+    }
+    listed = gcloud("gcloud compute reservations list --project local-project --format=value(name)", env)
+    assert listed.stdout.split() == ["local-reservation"]
 
 
 # ----- the VMs ----------------------------------------------------------------------------------
@@ -812,14 +841,12 @@ def test_http_errors_answer_in_the_api_error_shape(compute_cloud, compute_instan
 def test_insert_rejected_synchronously(compute_cloud, compute_discovery):
     instances = compute_discovery.instances()
 
+    # Room for both inserts that pass: a fault is taken before the reservation is looked at.
+    compute_cloud.add_reservation("my-reservation", 2, project=PROJECT, zone=ZONE)
+
     def body(name):
-        body = body_for(name, scheduling={"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"})
-        body["reservationAffinity"] = {
-            "consumeReservationType": "SPECIFIC_RESERVATION",
-            "key": "compute.googleapis.com/reservation-name",
-            "values": ["my-reservation"],
-        }
-        return body
+        scheduling = {"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"}
+        return body_for(name, scheduling=scheduling, reservation="my-reservation")
 
     zone_message = (
         f"The zone 'projects/{PROJECT}/zones/{ZONE}' does not have enough resources available to fulfill the "
@@ -866,6 +893,110 @@ def test_insert_rejected_synchronously(compute_cloud, compute_discovery):
         for name in ("lc-rej-b", "lc-rej-a3"):
             if instance_or_none(compute_discovery, name):
                 delete_and_wait(compute_discovery, name)
+
+
+def reservation_of(discovery, name: str, zone: str = ZONE) -> dict:
+    return discovery.reservations().get(project=PROJECT, zone=zone, reservation=name).execute()
+
+
+def test_reservations_are_read_through_the_api(compute_cloud, compute_discovery):
+    created = compute_cloud.add_reservation("lc-resv-read", 3, zone=ZONE, project=PROJECT)
+    raw = reservation_of(compute_discovery, "lc-resv-read")
+    assert raw == created
+    base = f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}"
+    assert (raw["kind"], raw["name"], raw["zone"], raw["selfLink"]) == (
+        "compute#reservation", "lc-resv-read", base, f"{base}/reservations/lc-resv-read",
+    )
+    assert raw["status"] == "READY" and raw["specificReservationRequired"] is True and raw["id"].isdigit()
+    assert raw["specificReservation"] == {
+        "count": "3", "inUseCount": "0", "instanceProperties": {"machineType": "ct6e-standard-8t"},
+    }
+
+    # Changing it through the control API keeps its identity.
+    changed = compute_cloud.add_reservation("lc-resv-read", 5, "ct5lp-hightpu-4t", zone=ZONE, project=PROJECT)
+    assert changed["id"] == raw["id"] and changed["specificReservation"]["count"] == "5"
+    assert changed["specificReservation"]["instanceProperties"]["machineType"] == "ct5lp-hightpu-4t"
+
+    # The client library parses it (int64 counts sent as strings).
+    from google.auth.credentials import AnonymousCredentials
+
+    client = compute_v1.ReservationsClient(
+        credentials=AnonymousCredentials(), client_options={"api_endpoint": compute_cloud.base_url}
+    )
+    parsed = client.get(project=PROJECT, zone=ZONE, reservation="lc-resv-read")
+    assert (parsed.specific_reservation.count, parsed.specific_reservation.in_use_count) == (5, 0)
+    assert "lc-resv-read" in [r.name for r in client.list(project=PROJECT, zone=ZONE)]
+    assert [r.name for r in client.list(project=PROJECT, zone="us-east5-a")] == []
+
+    with pytest.raises(HttpError) as missing:
+        reservation_of(compute_discovery, "lc-resv-read", zone="us-east5-a")
+    assert missing.value.resp.status == 404
+    assert error_of(missing.value)["errors"] == [
+        {
+            "message": f"The resource 'projects/{PROJECT}/zones/us-east5-a/reservations/lc-resv-read' was not found",
+            "domain": "global",
+            "reason": "notFound",
+        }
+    ]
+    for bad in (
+        {"name": "lc-resv-bad", "count": 0},
+        {"name": "Bad_Name", "count": 1},
+        {"name": "lc-resv-bad", "count": "1"},
+    ):
+        with pytest.raises(LocalCloudError, match="reservations: 400"):
+            compute_cloud.add_reservation(bad["name"], bad["count"], zone=ZONE, project=PROJECT)
+    with pytest.raises(HttpError):
+        reservation_of(compute_discovery, "lc-resv-bad")
+
+
+def test_instances_consume_a_specific_reservation_until_gone(compute_cloud, compute_vm, compute_discovery):
+    compute_cloud.add_reservation("lc-resv-one", 1, zone=ZONE, project=PROJECT)
+    compute_cloud.add_reservation("lc-resv-elsewhere", 1, zone="us-east5-a", project=PROJECT)
+
+    def in_use() -> str:
+        return reservation_of(compute_discovery, "lc-resv-one")["specificReservation"]["inUseCount"]
+
+    def refused(name: str, **kwargs) -> tuple[int, dict]:
+        with pytest.raises(HttpError) as exc:
+            compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for(name, **kwargs)).execute()
+        assert instance_or_none(compute_discovery, name) is None
+        return exc.value.resp.status, error_of(exc.value)["errors"]
+
+    def invalid(message: str) -> tuple[int, list]:
+        return 400, [{"message": message, "domain": "global", "reason": "invalid"}]
+
+    not_found = "Could not find the given reservation with the following name: {}"
+    assert refused("lc-resv-x1", reservation="lc-resv-none") == invalid(not_found.format("lc-resv-none"))
+    # A reservation is zonal: one of that name in another zone does not count.
+    assert refused("lc-resv-x2", reservation="lc-resv-elsewhere") == invalid(not_found.format("lc-resv-elsewhere"))
+    assert refused("lc-resv-x3", reservation="lc-resv-one", machine_type="ct5lp-hightpu-4t") == invalid(
+        "Reservation lc-resv-one is incorrect for the requested resources."
+    )
+    assert in_use() == "0"
+
+    compute_vm("lc-resv-a", reservation="lc-resv-one")
+    assert in_use() == "1"
+    full = invalid("Reservation lc-resv-one does not have sufficient capacity for the requested resources.")
+    # Also when named the way a shared reservation is (projects/P/reservations/NAME).
+    assert refused("lc-resv-b", reservation=f"projects/{PROJECT}/reservations/lc-resv-one") == full
+    # Instances that target no reservation by name are not held back by it.
+    compute_vm("lc-resv-free")
+
+    # Each way an instance goes gives the unit back: instances.delete, the cloud deleting or
+    # stopping it (terminate_vm; a time limit ends the same way).
+    delete_and_wait(compute_discovery, "lc-resv-a")
+    assert in_use() == "0"
+    compute_vm("lc-resv-b", reservation=f"projects/{PROJECT}/reservations/lc-resv-one")
+    assert in_use() == "1"
+    assert refused("lc-resv-c", reservation="lc-resv-one") == full
+    compute_cloud.terminate_vm("lc-resv-b", "DELETE")
+    assert in_use() == "0"
+    compute_vm("lc-resv-c", reservation="lc-resv-one")
+    compute_cloud.terminate_vm("lc-resv-c", "STOP")
+    assert compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance="lc-resv-c").execute()["status"] == "TERMINATED"
+    assert in_use() == "0"  # a stopped instance holds no reservation
+    compute_vm("lc-resv-d", reservation="lc-resv-one")
+    assert in_use() == "1"
 
 
 def test_operation_errors_and_hangs(compute_cloud, compute_vm, compute_discovery):

@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.vm_ssh import VmSSHHook
 from maxtext_sft.spec import build_run_spec
@@ -21,7 +22,7 @@ def vm(pipeline_connections, local_cloud):
 
     key = SSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="unused").pkey
     spec = build_run_spec(
-        {"reservation": "r", "project_id": "local-project"},
+        {"reservation": LOCAL_RUN_CONF["reservation"], "project_id": LOCAL_PROJECT},
         dag_id="hook_tests",
         run_id=f"manual__{time.time()}",
         generation=0,
