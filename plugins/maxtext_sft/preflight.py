@@ -27,6 +27,10 @@ class PreflightFailed(Exception):
     """One check's finding: what is wrong and what to do about it."""
 
 
+class InvalidToken(PreflightFailed):
+    """The Hub refuses the token itself: checks that need it cannot say anything."""
+
+
 def checkpoint_repo(spec: RunSpec) -> str | None:
     """The Hub repo the conversion downloads; None when it reads a folder on the VM (--hf_model_path)."""
     for arg in spec.convert_extra_args:
@@ -41,7 +45,7 @@ def check_hub_access(api: HfApi, spec: RunSpec) -> str:
         user = api.whoami()["name"]
     except HfHubHTTPError as error:
         if error.response is not None and error.response.status_code == 401:
-            raise PreflightFailed("the Hugging Face token is invalid or expired (connection password)") from None
+            raise InvalidToken("the Hugging Face token is invalid or expired (connection password)") from None
         raise
     repo = checkpoint_repo(spec)
     if repo is None:
@@ -117,11 +121,16 @@ def run_preflight(spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any)
         ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
     ]
     found, failures = [], []
+    token_invalid = False
     for name, check in checks:
+        if token_invalid and name == "dataset":
+            failures.append(f"{name}: not checked (the Hugging Face token is invalid)")
+            continue
         try:
             found.append(f"{name}: {check()}")
             log.info("Preflight %s", found[-1])
         except PreflightFailed as failure:
+            token_invalid = token_invalid or isinstance(failure, InvalidToken)
             failures.append(f"{name}: {failure}")
     if failures:
         raise AirflowFailException("Preflight failed, no VM was created:\n" + "\n".join(failures))

@@ -49,8 +49,9 @@ def reservations(local_cloud, pipeline_connections):
     """A reservation whose one machine is taken, and one of another machine type."""
     from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 
-    local_cloud.add_reservation("preflight-full", count=1)
-    local_cloud.add_reservation("preflight-v5e", count=4, machine_type="ct5lp-hightpu-8t")
+    where = {"zone": ZONE, "project": LOCAL_PROJECT}
+    local_cloud.add_reservation("preflight-full", 1, **where)
+    local_cloud.add_reservation("preflight-v5e", 4, machine_type="ct5lp-hightpu-8t", **where)
     compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
     where = {"zone": ZONE, "project_id": LOCAL_PROJECT}
     body = {
