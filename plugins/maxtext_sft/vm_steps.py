@@ -89,8 +89,12 @@ def script_files() -> dict[str, bytes]:
 
 
 def remote_command(step: str, spec: RunSpec, results: Mapping[str, str] | None = None) -> str:
+    """The step's command line; ValueError for an argument no command line can carry (a NUL byte,
+    e.g. in a value a step reported back from the VM)."""
     vm_step = STEPS[step]
     words = ["bash", f"{REMOTE_SCRIPT_DIR}/{vm_step.script}", *vm_step.arguments(spec, results or {})]
+    if any("\x00" in word for word in words):
+        raise ValueError(f"an argument of {vm_step.script} contains a NUL byte")
     return shlex.join(words)
 
 

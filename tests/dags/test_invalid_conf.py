@@ -49,3 +49,22 @@ def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, 
         message = run.log[run.log.index("Invalid run configuration") :][:2000]
     assert field in message, message
     assert local_cloud.requests() == []
+
+
+# Values the spec accepts (MaxText arguments are data) that a shell would run if they escaped
+# their quoting; the canary is looked for in the VM's /dev/shm, which the local cloud keeps.
+CANARY = "/dev/shm/pwned-by-run-conf"
+HOSTILE_CONFS = [
+    {"train_extra_args": [f"hf_data_dir=$(touch {CANARY})"]},
+    {"convert_extra_args": [f"hf_data_dir=`touch {CANARY}`; *"], "export_extra_args": [f"hf_data_dir=x' ; touch {CANARY}; echo '"]},
+    {"train_extra_args": [f"hf_data_dir=a\ntouch {CANARY}\n $HOME ~ * | tee {CANARY}"]},
+]
+
+
+@pytest.mark.parametrize("conf", HOSTILE_CONFS, ids=["substitution", "backticks-and-quotes", "newlines-and-pipes"])
+def test_a_hostile_but_valid_conf_runs_as_data(conf, run_pipeline, local_cloud):
+    run = run_pipeline({**conf, "steps": 4})
+    assert run.state == "success", run.task_states
+    vm_name = run.xcoms["plan_run.vm_name"]
+    assert local_cloud.deleted_shm(vm_name).is_dir()  # where the canary would be
+    assert not (local_cloud.deleted_shm(vm_name) / CANARY.removeprefix("/dev/shm/")).exists()
