@@ -80,6 +80,16 @@ def pipeline_params() -> dict[str, Param]:
         "use_internal_ip": _param(
             "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
         ),
+        "os_login": _param(
+            "os_login", "boolean",
+            "Log in with OS Login as the Google connection's account (its key imported for an hour) "
+            "instead of the ssh-keys metadata; needs roles/compute.osAdminLogin.", VM,
+        ),
+        "ssh_via_iap": _param(
+            "ssh_via_iap", "boolean",
+            "SSH through an Identity-Aware Proxy TCP tunnel (gcloud on the workers; firewall open to "
+            "35.235.240.0/20 only); needs roles/iap.tunnelResourceAccessor.", VM,
+        ),
         "model_name": _param("model_name", "string", "MaxText model name (MODEL_NAME).", MODEL),
         "model_revision": _param(
             "model_revision", ["null", "string"], "Hugging Face revision of the base checkpoint; empty: default branch.", MODEL

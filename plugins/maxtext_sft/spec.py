@@ -54,6 +54,8 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "train_extra_args": [],
     "export_extra_args": [],
     "use_internal_ip": False,
+    "os_login": False,  # True: OS Login grants SSH (the Google connection's account), not the ssh-keys metadata
+    "ssh_via_iap": False,  # True: SSH through an IAP TCP tunnel (gcloud on the workers), no open port 22
     "ssh_connect_timeout_seconds": 30,
     "install_timeout_minutes": 60,
     "convert_timeout_minutes": 60,
@@ -210,6 +212,8 @@ class RunSpec:
     train_extra_args: tuple[str, ...]
     export_extra_args: tuple[str, ...]
     use_internal_ip: bool
+    os_login: bool
+    ssh_via_iap: bool
     ssh_connect_timeout_seconds: int
     install_timeout_minutes: int
     convert_timeout_minutes: int
@@ -444,7 +448,10 @@ class RunSpec:
             # the full run identity that label values cannot hold; gcloud sent an empty metadata object.
             "metadata": {
                 "items": [
-                    {"key": "ssh-keys", "value": f"{self.ssh_user}:{self.ssh_public_key} {self.ssh_user}"},
+                    # With OS Login the guest ignores ssh-keys: the key is imported into the profile.
+                    {"key": "enable-oslogin", "value": "TRUE"}
+                    if self.os_login
+                    else {"key": "ssh-keys", "value": f"{self.ssh_user}:{self.ssh_public_key} {self.ssh_user}"},
                     {"key": "enable-guest-attributes", "value": "TRUE"},
                     {"key": "airflow-dag-id", "value": self.dag_id},
                     {"key": "airflow-run-id", "value": self.run_id},
@@ -635,6 +642,8 @@ def build_run_spec(
         train_extra_args=validate_extra_args("train", p["train_extra_args"]),
         export_extra_args=validate_extra_args("export", p["export_extra_args"]),
         use_internal_ip=_bool(p, "use_internal_ip"),
+        os_login=_bool(p, "os_login"),
+        ssh_via_iap=_bool(p, "ssh_via_iap"),
         ssh_connect_timeout_seconds=_int_in(p, "ssh_connect_timeout_seconds"),
         install_timeout_minutes=_int_in(p, "install_timeout_minutes"),
         convert_timeout_minutes=_int_in(p, "convert_timeout_minutes"),

@@ -217,3 +217,24 @@ def test_publishing_needs_a_known_base_model():
         make_spec(model_name="mystery-7b", hub_repo_id="team/x")
     custom = make_spec(model_name="mystery-7b", hub_repo_id="team/x", base_model_id="lab/mystery-7b")
     assert (custom.base_model_id, custom.base_model_license) == ("lab/mystery-7b", None)
+
+
+def test_os_login_replaces_the_ssh_keys_metadata():
+    """OS Login ignores the ssh-keys metadata: the key goes to the login profile instead."""
+    with_os_login = {i["key"]: i["value"] for i in make_spec(os_login=True).instance_body()["metadata"]["items"]}
+    assert with_os_login["enable-oslogin"] == "TRUE"
+    assert "ssh-keys" not in with_os_login
+    default = {i["key"] for i in make_spec().instance_body()["metadata"]["items"]}
+    assert "ssh-keys" in default and "enable-oslogin" not in default
+
+
+def test_ssh_via_iap_tunnels_through_gcloud():
+    import shlex
+
+    from maxtext_sft.operators.vm_script import iap_tunnel_command
+
+    spec = make_spec(ssh_via_iap=True)
+    assert shlex.split(iap_tunnel_command(spec)) == [
+        "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
+        f"--zone={spec.zone}", "--project=my-project", "--verbosity=warning",
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import hf_token
+from maxtext_sft.hooks.os_login import os_login_username
 from maxtext_sft.hooks.vm_ssh import VmSSHHook
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, parse_results, remote_command, script_files
@@ -54,13 +56,26 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     )
     if not keys:
         raise HostKeysNotPublished(f"VM {spec.vm_name} has published no SSH host keys in its guest attributes yet")
-    return VmSSHHook(
+    if spec.ssh_via_iap:
+        kwargs["host_proxy_cmd"] = iap_tunnel_command(spec)
+    hook = VmSSHHook(
         ssh_conn_id=ssh_conn_id,
         remote_host=address,
         host_keys=keys,
         conn_timeout=spec.ssh_connect_timeout_seconds,
         **kwargs,
     )
+    if spec.os_login:
+        hook.username = os_login_username(gcp_conn_id, spec.ssh_public_key, spec.project_id)
+    return hook
+
+
+def iap_tunnel_command(spec: RunSpec) -> str:
+    """gcloud's IAP TCP tunnel to the VM's port 22, as an SSH ProxyCommand (stdin/stdout)."""
+    return shlex.join([
+        "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
+        f"--zone={spec.zone}", f"--project={spec.project_id}", "--verbosity=warning",
+    ])
 
 
 def ssh_login_works(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> bool:
