@@ -20,12 +20,10 @@ import time
 import uuid
 from typing import Any
 
-from google.api_core.exceptions import NotFound
-
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook
-from maxtext_sft.operators.compute import LIVE_STATUSES, with_expiry_label
+from maxtext_sft.operators.compute import adoptable_instance, with_expiry_label
 from maxtext_sft.operators.vm_script import run_vm_step, ssh_login_works
 from maxtext_sft.spec import RunSpec
 
@@ -92,15 +90,8 @@ class VmRecovery:
         spec = self.spec
         hook = ComputeEngineEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
         where = {"resource_id": spec.vm_name, "project_id": spec.project_id, "zone": spec.zone}
-        try:
-            existing = hook.get_instance(**where)
-        except NotFound:
-            existing = None
-        if existing is not None and existing.status in LIVE_STATUSES:
-            self.log.info("Instance %s exists again (%s): using it", spec.vm_name, existing.status)
+        if adoptable_instance(hook, where, self.log) is not None:
             return
-        if existing is not None:
-            hook.delete_instance(request_id=None, **where)  # a stopped husk holds the name
         hook.insert_instance(
             body=with_expiry_label(spec.instance_body(), spec.max_run_duration_minutes),
             zone=spec.zone,

@@ -42,6 +42,28 @@ def with_expiry_label(body: dict, lifetime_minutes: int) -> dict:
 LIVE_STATUSES = frozenset({"PROVISIONING", "STAGING", "RUNNING"})
 
 
+def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Instance | None:
+    """The live instance named in `where` that a create can adopt, or None if one must be created.
+
+    An instance left by a create that failed after the API accepted it (TERMINATED, say) holds
+    the name: it is deleted first.
+    """
+    try:
+        existing = hook.get_instance(**where)
+    except NotFound:
+        return None
+    if existing.status in LIVE_STATUSES:
+        log.info("Instance %s already exists (%s): adopting it", where["resource_id"], existing.status)
+        return existing
+    log.warning(
+        "Instance %s exists in state %s, left by a failed create: deleting it to create it again",
+        where["resource_id"],
+        existing.status,
+    )
+    hook.delete_instance(request_id=None, **where)
+    return None
+
+
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     """Create the instance unless it exists: a retry adopts the VM this run already asked for.
 
@@ -68,19 +90,9 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self.check_body_fields()
         hook = _hook(self)
         where = {"resource_id": self.resource_id, "project_id": self.project_id, "zone": self.zone}
-        try:
-            existing = hook.get_instance(**where)
-        except NotFound:
-            return self._create_instance(hook, context)
-        if existing.status in LIVE_STATUSES:
-            self.log.info("Instance %s already exists (%s): adopting it", self.resource_id, existing.status)
+        existing = adoptable_instance(hook, where, self.log)
+        if existing is not None:
             return Instance.to_dict(existing)
-        self.log.warning(
-            "Instance %s exists in state %s, left by a failed create: deleting it to create it again",
-            self.resource_id,
-            existing.status,
-        )
-        hook.delete_instance(request_id=None, **where)
         return self._create_instance(hook, context)
 
 
