@@ -50,37 +50,31 @@ def check_hub_access(api: HfApi, spec: RunSpec) -> str:
     repo = checkpoint_repo(spec)
     if repo is None:
         return f"token of {user}; the base checkpoint is a folder on the VM"
-    try:
-        api.auth_check(repo)
-        if spec.model_revision:
-            api.model_info(repo, revision=spec.model_revision)
-    except GatedRepoError:
-        raise PreflightFailed(
-            f"the Hugging Face token ({user}) has no access to the gated model {repo}: accept its licence "
-            "on the Hub with that account"
-        ) from None
-    except RevisionNotFoundError:
-        raise PreflightFailed(f"model {repo} has no revision {spec.model_revision!r} (Param model_revision)") from None
-    except RepositoryNotFoundError:
-        raise PreflightFailed(f"model {repo} does not exist on the Hub, or the token ({user}) cannot see it") from None
+    readable_commit(api, "model", repo, spec.model_revision, f"the Hugging Face token ({user})")
     return f"token of {user} may read {repo}"
 
 
 def check_dataset(api: HfApi, spec: RunSpec) -> str:
     if spec.dataset_name.startswith("/"):
         return f"dataset {spec.dataset_name} is a folder on the VM: not checked"
+    commit = readable_commit(api, "dataset", spec.dataset_name, spec.dataset_revision, "the Hugging Face token")
+    return f"dataset {spec.dataset_name} at {spec.dataset_revision or 'its default branch'} is commit {commit}"
+
+
+def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:
+    """The commit `revision` of Hub repo `repo` (a "model" or "dataset") resolves to, checking that
+    `token` (its description, for the messages) may read its files."""
     try:
-        info = api.dataset_info(spec.dataset_name, revision=spec.dataset_revision)
-        api.auth_check(spec.dataset_name, repo_type="dataset")
-    except RevisionNotFoundError:
-        raise PreflightFailed(
-            f"dataset {spec.dataset_name} has no revision {spec.dataset_revision!r} (Param dataset_revision)"
-        ) from None
+        api.auth_check(repo, repo_type=kind)
+        return api.repo_info(repo, repo_type=kind, revision=revision).sha
     except GatedRepoError:
-        raise PreflightFailed(f"the Hugging Face token has no access to the gated dataset {spec.dataset_name}") from None
+        raise PreflightFailed(
+            f"{token} has no access to the gated {kind} {repo}: accept its licence on the Hub with that account"
+        ) from None
+    except RevisionNotFoundError:
+        raise PreflightFailed(f"{kind} {repo} has no revision {revision!r} (Param {kind}_revision)") from None
     except RepositoryNotFoundError:
-        raise PreflightFailed(f"dataset {spec.dataset_name} does not exist on the Hub, or the token cannot see it") from None
-    return f"dataset {spec.dataset_name} at {spec.dataset_revision or 'its default branch'} is commit {info.sha}"
+        raise PreflightFailed(f"{kind} {repo} does not exist on the Hub, or {token} cannot see it") from None
 
 
 def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec) -> str:

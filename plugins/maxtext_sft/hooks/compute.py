@@ -67,17 +67,13 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
         the instance metadata `enable-guest-attributes=TRUE`. A value is cut at its first
         whitespace and must be plain base64, so nothing else can ride along into known_hosts.
         """
-        request = self.get_conn().instances().getGuestAttributes(
-            project=project_id, zone=zone, instance=resource_id, queryPath="hostkeys/"
+        answer = self._unless_missing(
+            self.get_conn().instances().getGuestAttributes(
+                project=project_id, zone=zone, instance=resource_id, queryPath="hostkeys/"
+            )
         )
-        try:
-            answer = request.execute(num_retries=self.num_retries)
-        except HttpError as error:
-            if error.resp.status == 404:
-                return {}
-            raise
         keys = {}
-        for item in answer.get("queryValue", {}).get("items", []):
+        for item in (answer or {}).get("queryValue", {}).get("items", []):
             if item.get("namespace") != "hostkeys" or item.get("key") not in HOST_KEY_TYPES:
                 continue
             value = (item.get("value") or "").split()
@@ -90,7 +86,10 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
 
     def get_reservation(self, name: str, zone: str, project_id: str) -> dict | None:
         """The reservation resource (REST JSON), or None if the zone has none of that name."""
-        request = self.get_conn().reservations().get(project=project_id, zone=zone, reservation=name)
+        return self._unless_missing(self.get_conn().reservations().get(project=project_id, zone=zone, reservation=name))
+
+    def _unless_missing(self, request) -> dict | None:
+        """Execute a discovery-client request; None when the API answers 404."""
         try:
             return request.execute(num_retries=self.num_retries)
         except HttpError as error:
