@@ -100,6 +100,10 @@ def run_record(
         "generation": spec.generation,
         "run_name": spec.run_name,
         "vm_name": spec.vm_name,
+        # The data the run trained on: a Hub dataset's pinned commit and the files read at it.
+        "dataset": spec.dataset_name,
+        "dataset_revision": spec.dataset_revision,
+        "dataset_files": list(spec.dataset_files),
         "final_step": training.get("final_step"),
         "final_loss": training.get("final_loss"),
         "vm_recoveries": training.get("vm_recoveries", 0),  # times the VM was lost and recreated

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from huggingface_hub.errors import HfHubHTTPError
 
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.hub import hf_token
-from maxtext_sft.spec import SpecError, build_run_spec
+from maxtext_sft.hooks.hub import HuggingFaceHubHook, hf_token
+from maxtext_sft.snapshots import SnapshotError, dataset_revision_at, files_at, snapshot_moment
+from maxtext_sft.spec import RunSpec, SpecError, build_run_spec
 
 
 def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) -> dict[str, Any]:
@@ -34,7 +38,8 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
             ssh_user=ssh.username or "",
             ssh_public_key=f"{ssh.pkey.get_name()} {ssh.pkey.get_base64()}",
         )
-    except (SpecError, ValueError) as error:
+        spec = pin_dataset_snapshot(spec, dag_run, hf_conn_id=hf_conn_id, log=context["task"].log)
+    except (SpecError, SnapshotError, ValueError) as error:
         raise AirflowFailException(f"Invalid run configuration: {error}") from error
     return {
         "spec": spec.to_dict(),
@@ -45,3 +50,31 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
         "instance_body": spec.instance_body(),
         "lifetime_minutes": spec.max_run_duration_minutes,
     }
+
+
+def pin_dataset_snapshot(spec: RunSpec, dag_run, *, hf_conn_id: str, log) -> RunSpec:
+    """The spec with a Hub dataset pinned to one commit (the one the Param's revision names now,
+    else the newest at the run's data interval end) and the files it will read at that commit.
+
+    A dataset, revision or token the Hub refuses leaves the spec as it is: preflight then names
+    what is wrong, with the other checks' findings.
+    """
+    if not spec.hub_dataset:
+        return spec
+    api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
+    moment = snapshot_moment(dag_run.data_interval_end, dag_run.run_after)
+    try:
+        if spec.dataset_revision:  # a branch or tag moves: pin the commit it names now
+            revision = api.repo_info(spec.dataset_name, repo_type="dataset", revision=spec.dataset_revision).sha
+        else:
+            revision = dataset_revision_at(api, spec.dataset_name, moment)
+        files = files_at(api, spec.dataset_name, revision, spec.train_files_pattern)
+    except HfHubHTTPError as error:
+        status = error.response.status_code if error.response is not None else None
+        if status is None or status >= 500:
+            raise  # the Hub is unwell: the task's retries are for this
+        log.warning("Dataset snapshot not pinned (preflight will say why): HTTP %s", status)
+        return spec
+    how = f"Param dataset_revision {spec.dataset_revision}" if spec.dataset_revision else f"newest at {moment.isoformat()}"
+    log.info("Dataset %s pinned to commit %s (%s): %s", spec.dataset_name, revision, how, files)
+    return dataclasses.replace(spec, dataset_revision=revision, dataset_files=tuple(files))

@@ -55,10 +55,16 @@ def check_hub_access(api: HfApi, spec: RunSpec) -> str:
 
 
 def check_dataset(api: HfApi, spec: RunSpec) -> str:
-    if spec.dataset_name.startswith("/"):
+    if not spec.hub_dataset:
         return f"dataset {spec.dataset_name} is a folder on the VM: not checked"
     commit = readable_commit(api, "dataset", spec.dataset_name, spec.dataset_revision, "the Hugging Face token")
-    return f"dataset {spec.dataset_name} at {spec.dataset_revision or 'its default branch'} is commit {commit}"
+    if spec.dataset_revision is None:  # plan_run could not pin it, and it is readable now: a passing fault
+        raise PreflightFailed(f"dataset {spec.dataset_name}: no snapshot was pinned; clear the run to try again")
+    if not spec.dataset_files:
+        raise PreflightFailed(
+            f"dataset {spec.dataset_name} at commit {commit} has no files {spec.train_files_pattern} (Param train_split)"
+        )
+    return f"dataset {spec.dataset_name} at commit {commit}: {len(spec.dataset_files)} file(s) {spec.train_files_pattern}"
 
 
 def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:

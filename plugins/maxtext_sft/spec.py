@@ -202,7 +202,8 @@ class RunSpec:
     dataset_name: str
     train_split: str
     train_data_columns: tuple[str, ...]
-    dataset_revision: str | None
+    dataset_revision: str | None  # a commit once plan_run has pinned the snapshot (Hub datasets)
+    dataset_files: tuple[str, ...]  # the snapshot's files the run reads (train_files_pattern), for the record
     maxtext_version: str
     work_dir: str
     use_pathways: bool
@@ -233,6 +234,16 @@ class RunSpec:
     #   OUTPUT/runs/RUN_NAME/run-record.json              where everything went (written last)
     #   OUTPUT/runs/RUN_NAME/vm-recoveries/N.json         the VM was lost and recreated (N-th time)
     #   OUTPUT/base-checkpoints/MODEL/KEY/                converted base checkpoints, shared by runs
+    @property
+    def hub_dataset(self) -> bool:
+        """The dataset is on the Hub (it has revisions), not a folder on the VM."""
+        return not self.dataset_name.startswith("/")
+
+    @property
+    def train_files_pattern(self) -> str:
+        """The training split's files in a Hub dataset (UltraChat's data/<split>-*.parquet layout)."""
+        return f"data/{self.train_split}-*.parquet"
+
     @property
     def durable(self) -> bool:
         return self.output_location is not None
@@ -359,8 +370,7 @@ class RunSpec:
             # `datasets` names the split of explicit data files "train"; the split Param picks
             # the files (UltraChat's data/<split>-*.parquet layout).
             split = [
-                f"hf_train_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}"
-                f"/data/{self.train_split}-*.parquet",
+                f"hf_train_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}/{self.train_files_pattern}",
                 "train_split=train",
             ]
         return [
@@ -633,6 +643,7 @@ def build_run_spec(
         train_split=_require(p, "train_split", SAFE_TOKEN, "a split name"),
         train_data_columns=tuple(columns),
         dataset_revision=revision,
+        dataset_files=(),
         maxtext_version=_require(p, "maxtext_version", MAXTEXT_VERSION, "a MaxText version such as 0.2.2"),
         work_dir=_require(p, "work_dir", VM_PATH, "an absolute path or one under ~ on the VM"),
         use_pathways=_bool(p, "use_pathways"),
