@@ -2,7 +2,8 @@
 
 A backstop for the pipeline's own teardown (see plugins/maxtext_sft/janitor.py, which is also a
 command for cron or Cloud Scheduler while Airflow is down). Only instances labelled
-`managed-by=airflow-maxtext-sft` are ever looked at; every deletion is logged with its reason.
+`managed-by=airflow-maxtext-sft` are ever looked at; every deletion is logged with its reason,
+and told to the owners of a declared job (its `notify` connection) whose VM it was.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param, conf, task
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import UNKNOWN, sweep
+from maxtext_sft.jobs import notify_targets
+from maxtext_sft.notifier import JobNotifier
 
 log = logging.getLogger(__name__)
 GCP_CONN_ID = "google_cloud_default"
@@ -60,6 +63,21 @@ with DAG(
                 return UNKNOWN
 
         deleted = sweep(hook, params["project_id"] or hook.project_id, run_state, dry_run=params["dry_run"])
+        if not params["dry_run"]:
+            tell_owners(deleted, context)
         return [vm.__dict__ for vm in deleted]
+
+    def tell_owners(deleted, context) -> None:
+        """A deleted VM of a declared job is news to its team: its run lost its VM, or leaked one."""
+        targets = notify_targets()
+        for vm in deleted:
+            if vm.dag_id not in targets:
+                continue
+            notifier = JobNotifier(targets[vm.dag_id], message=f"The janitor deleted VM {vm.name} ({vm.zone}): {vm.reason}")
+            details = {"dag_id": vm.dag_id, "run_id": vm.run_id, "vm_name": vm.name, "zone": vm.zone}
+            try:
+                notifier.notify({**context, "event": "vm_deleted_by_janitor", "details": details})
+            except Exception:  # the deletion stands; a lost message must not hide the others
+                log.exception("Could not notify %s about %s", targets[vm.dag_id], vm.name)
 
     delete_leaked_vms()

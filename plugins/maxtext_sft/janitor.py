@@ -44,6 +44,8 @@ class Condemned:
     name: str
     zone: str
     reason: str
+    dag_id: str | None = None  # the run the VM was created for, when its metadata says
+    run_id: str | None = None
 
 
 def _metadata(instance: dict) -> dict[str, str]:
@@ -62,21 +64,21 @@ def condemned(instances: Iterable[dict], run_state: Callable[[str, str], str | N
         if labels.get("managed-by") != PACKAGE_LABEL:
             continue  # not ours: never touched
         name, zone = instance["name"], instance["zone"].rsplit("/", 1)[-1]
+        metadata = _metadata(instance)
+        dag_id, run_id = metadata.get("airflow-dag-id"), metadata.get("airflow-run-id")
         expires = labels.get(EXPIRY_LABEL, "")
         if expires.isdigit() and now > int(expires):
             ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(expires)))
-            doomed.append(Condemned(name, zone, f"its lifetime ended at {ended}"))
+            doomed.append(Condemned(name, zone, f"its lifetime ended at {ended}", dag_id, run_id))
             continue
-        metadata = _metadata(instance)
-        dag_id, run_id = metadata.get("airflow-dag-id"), metadata.get("airflow-run-id")
         if not dag_id or not run_id:
             continue  # ours, but we cannot tell its run: only its lifetime can condemn it
         state = run_state(dag_id, run_id)
         state = getattr(state, "value", state)  # tolerate a DagRunState enum
         if state is None:
-            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} no longer exists"))
+            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} no longer exists", dag_id, run_id))
         elif state != UNKNOWN and state not in LIVE_RUN_STATES:
-            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} is {state}"))
+            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} is {state}", dag_id, run_id))
     return doomed
 
 

@@ -197,3 +197,14 @@ def pipeline_params() -> dict[str, Param]:
             "Let Compute Engine delete the VM at the end of its lifetime, even if Airflow is down.", TIMING,
         ),
     }
+
+
+def with_defaults(params: dict[str, Param], values: dict) -> dict[str, Param]:
+    """The same Params with other defaults (a declared job's values); their schemas unchanged."""
+    unknown = sorted(set(values) - set(params))
+    if unknown:
+        raise KeyError(f"no such Param: {', '.join(unknown)}")
+    return {
+        name: Param(values[name], param.description, schema=param.schema) if name in values else param
+        for name, param in params.items()
+    }

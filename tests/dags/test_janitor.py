@@ -111,3 +111,31 @@ def test_the_dag_deletes_vms_whose_run_is_gone(leftover_vms, local_cloud, airflo
     # "live" is not expired, but its DAG run does not exist in this Airflow: the DAG deletes it.
     assert leftover_vms["expired"] not in left and leftover_vms["live"] not in left
     assert leftover_vms["foreign"] in left
+
+
+def test_the_dag_tells_a_declared_jobs_owners_which_vm_it_deleted(local_cloud, airflow_db, tmp_path, monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from localcloud.webhook import WebhookReceiver
+
+    hook = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    spec = make_spec(run_id=f"gone-{time.time_ns()}", project_id=LOCAL_PROJECT, reservation=LOCAL_RUN_CONF["reservation"])
+    body = spec.instance_body()
+    body["labels"][EXPIRY_LABEL] = str(int(time.time()) - 5)
+    body["metadata"]["items"][-2]["value"] = "team_job"  # airflow-dag-id: a declared job's DAG
+    (tmp_path / "team-job.yaml").write_text(
+        "dag_id: team_job\nschedule: '@daily'\nstart_date: 2026-11-01\nnotify: {conn_id: team_webhook}\n"
+        "params: {reservation: team-reservation}\n"
+    )
+    monkeypatch.setenv("MAXTEXT_SFT_JOBS_DIR", str(tmp_path))
+    with WebhookReceiver() as webhook:
+        monkeypatch.setenv("AIRFLOW_CONN_TEAM_WEBHOOK", webhook.connection_uri())
+        hook.insert_instance(body=body, zone=spec.zone, project_id=LOCAL_PROJECT)
+        dag = DagBag(str(REPO / "dags")).dags["maxtext_sft_janitor"]
+        run = dag.test(run_conf={"project_id": LOCAL_PROJECT})
+        assert str(run.state) == "success"
+        assert spec.vm_name not in {vm["name"] for vm in local_cloud.vms()}
+        [message] = webhook.wait_for(lambda m: m.get("vm_name") == spec.vm_name, timeout=5)
+    assert message["event"] == "vm_deleted_by_janitor"
+    assert message["dag_id"] == "team_job" and message["run_id"] == spec.run_id
+    assert "its lifetime ended" in message["message"]

@@ -13,6 +13,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.operators.vm_script import vm_ssh_hook
 from maxtext_sft.outputs import (
     MODEL_CARD_NAME,
@@ -56,8 +57,12 @@ class CollectOutputsOperator(BaseOperator):
         card = model_card(spec, final_step=self.training["final_step"], final_loss=self.training["final_loss"])
         base_checkpoint = (self.base_checkpoint or {}).get("base_checkpoint")
         if spec.durable:
-            return self._in_storage(spec, card, base_checkpoint)
-        return self._copied_off_the_vm(spec, card, base_checkpoint)
+            record = self._in_storage(spec, card, base_checkpoint)
+        else:
+            record = self._copied_off_the_vm(spec, card, base_checkpoint)
+        if TUNED_MODEL in self.outlets:  # the event is emitted when this task succeeds
+            context["outlet_events"][TUNED_MODEL].extra = tuned_model_event(spec, record)
+        return record
 
     def _in_storage(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
         storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)

@@ -1,0 +1,59 @@
+"""A webhook receiver for notification tests: records every JSON body POSTed to it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class WebhookReceiver:
+    """An HTTP server on 127.0.0.1 (a thread of the test process) keeping each POSTed JSON body."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+        self._changed = threading.Condition()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._changed:
+                    receiver.messages.append(json.loads(body))
+                    receiver._changed.notify_all()
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_port}/hook"
+
+    def connection_uri(self) -> str:
+        """The connection (AIRFLOW_CONN_...) a notifier posts to: its host is the URL."""
+        return json.dumps({"conn_type": "http", "host": self.url})
+
+    def wait_for(self, predicate, timeout: float) -> list[dict]:
+        """The messages matching `predicate`, once there is one; AssertionError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not (found := [m for m in self.messages if predicate(m)]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no matching notification in {timeout}s; got {self.messages}")
+                self._changed.wait(left)
+        return found
+
+    def __enter__(self) -> WebhookReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

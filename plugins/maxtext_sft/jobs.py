@@ -1,0 +1,186 @@
+"""Declared jobs: a team's fine-tune as one small YAML file, run on its schedule.
+
+include/jobs/NAME.yaml declares the job (see include/jobs/README.md for the fields);
+dags/job_NAME.py, three lines, turns it into a DAG with `declared_job_dag("NAME.yaml")`. One
+loader per file because Airflow records import errors per Python file: a broken config shows
+in the UI as that loader's import error, naming the file and the field, and hides no other job.
+
+Everything is checked here, at parse time, from the file alone (no network, no database):
+the schedule, the dates, the notification connection's name, and every Param through the same
+checks a run makes (`spec.build_run_spec`) and the trigger form's schema.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pendulum
+import yaml
+
+from airflow.sdk import DAG
+from airflow.sdk.definitions.param import ParamsDict
+from maxtext_sft.notifier import JobNotifier
+from maxtext_sft.params import pipeline_params, with_defaults
+from maxtext_sft.pipeline import fine_tune_dag
+from maxtext_sft.spec import SpecError, build_run_spec
+
+FIELDS = {
+    "dag_id", "description", "owner", "tags", "schedule", "start_date", "end_date", "catchup",
+    "max_active_runs", "notify", "params",
+}
+DAG_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+SCHEDULE_PRESETS = {"@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly"}
+
+
+class JobConfigError(ValueError):
+    """A declared job's file cannot make a DAG; the message names the file and the field."""
+
+
+def jobs_dir() -> Path:
+    """include/jobs beside plugins/ (the Astronomer layout); MAXTEXT_SFT_JOBS_DIR overrides it."""
+    override = os.environ.get("MAXTEXT_SFT_JOBS_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "include" / "jobs"
+
+
+def load_job(path: Path) -> dict[str, Any]:
+    """The job's fields, checked; raises JobConfigError naming the file and the field."""
+    def bad(field: str, why: str) -> JobConfigError:
+        return JobConfigError(f"{path.name}: field {field!r}: {why}")
+
+    try:
+        job = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise JobConfigError(f"{path.name}: not readable YAML: {error}") from None
+    if not isinstance(job, dict):
+        raise JobConfigError(f"{path.name}: expected a mapping of fields, got {type(job).__name__}")
+    unknown = sorted(set(job) - FIELDS)
+    if unknown:
+        raise bad(unknown[0], f"unknown field (known: {', '.join(sorted(FIELDS))})")
+    dag_id = job.get("dag_id", path.stem.replace("-", "_"))
+    if not isinstance(dag_id, str) or not DAG_ID.match(dag_id):
+        raise bad("dag_id", f"{dag_id!r} is not a DAG id (letters, digits, _ . -)")
+    schedule = job.get("schedule")
+    if not isinstance(schedule, str) or not (schedule in SCHEDULE_PRESETS or _is_cron(schedule)):
+        raise bad("schedule", f"{schedule!r} is not a cron expression or one of {sorted(SCHEDULE_PRESETS)}")
+    start_date = _date(job.get("start_date"), lambda why: bad("start_date", why), required=True)
+    end_date = _date(job.get("end_date"), lambda why: bad("end_date", why), required=False)
+    catchup = job.get("catchup", False)
+    if not isinstance(catchup, bool):
+        raise bad("catchup", f"{catchup!r} is not true or false")
+    max_active_runs = job.get("max_active_runs", 1)
+    if isinstance(max_active_runs, bool) or not isinstance(max_active_runs, int) or not 1 <= max_active_runs <= 64:
+        raise bad("max_active_runs", f"{max_active_runs!r} is not an integer in [1, 64]")
+    notify = job.get("notify") or {}
+    if not isinstance(notify, dict) or set(notify) - {"conn_id"}:
+        raise bad("notify", "expected {conn_id: <an Airflow connection whose host is the webhook URL>}")
+    if "conn_id" in notify and not (isinstance(notify["conn_id"], str) and CONN_ID.match(notify["conn_id"])):
+        raise bad("notify.conn_id", f"{notify['conn_id']!r} is not a connection id")
+    tags = job.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
+        raise bad("tags", "expected a list of strings")
+    return {
+        "dag_id": dag_id,
+        "description": str(job.get("description") or f"Declared fine-tune {path.name}"),
+        "owner": str(job.get("owner") or "ml-platform"),
+        "tags": ["maxtext", "sft", "declared-job", *tags],
+        "schedule": schedule,
+        "start_date": start_date,
+        "end_date": end_date,
+        "catchup": catchup,
+        "max_active_runs": max_active_runs,
+        "notify_conn_id": notify.get("conn_id"),
+        "params": _params(job.get("params"), dag_id, lambda field, why: bad(field, why)),
+    }
+
+
+def _is_cron(expression: str) -> bool:
+    from croniter import croniter  # Airflow's own cron parser
+
+    return len(expression.split()) in (5, 6) and croniter.is_valid(expression)
+
+
+def _date(value: Any, bad, *, required: bool) -> pendulum.DateTime | None:
+    if value is None:
+        if required:
+            raise bad("required (the first interval; backfills cannot go before it)")
+        return None
+    if isinstance(value, str):
+        try:
+            value = dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise bad(f"{value!r} is not an ISO date") from None
+    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+        value = dt.datetime(value.year, value.month, value.day)
+    if not isinstance(value, dt.datetime):
+        raise bad(f"{value!r} is not a date")
+    return pendulum.instance(value, tz="UTC") if value.tzinfo is None else pendulum.instance(value)
+
+
+def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
+    """The job's Param values, checked as a run would check them (the run's own identity aside)."""
+    if not isinstance(values, dict):
+        raise bad("params", "expected a mapping of Param names to values")
+    try:
+        params = with_defaults(pipeline_params(), values)
+    except KeyError as error:
+        raise bad("params", error.args[0]) from None
+    for name in values:
+        try:
+            ParamsDict({name: params[name]}).validate()
+        except Exception as error:  # noqa: BLE001 - Airflow's ParamValidationError; its first line says why
+            raise bad(f"params.{name}", str(error).splitlines()[0].split(": ", 1)[-1]) from None
+    try:
+        build_run_spec(
+            {name: param.value for name, param in params.items()},
+            dag_id=dag_id,
+            run_id="parse-time-check",
+            generation=0,
+            started=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc),
+            default_project_id="project-of-the-connection",  # the real one is read at run time
+            ssh_user="parse-time-check",
+            ssh_public_key="ssh-ed25519 AAAA",
+        )
+    except SpecError as error:
+        raise bad("params", str(error)) from None
+    return params
+
+
+def declared_job_dag(file_name: str) -> DAG:
+    """The DAG of include/jobs/`file_name`; raises JobConfigError (the loader's import error)."""
+    path = jobs_dir() / file_name
+    job = load_job(path)
+    notifier = JobNotifier(job["notify_conn_id"]) if job["notify_conn_id"] else None
+    return fine_tune_dag(
+        job["dag_id"],
+        params=job["params"],
+        schedule=job["schedule"],
+        start_date=job["start_date"],
+        end_date=job["end_date"],
+        catchup=job["catchup"],
+        max_active_runs=job["max_active_runs"],
+        # A new job spends nothing until someone unpauses it (whatever dags_are_paused_at_creation says).
+        is_paused_upon_creation=True,
+        description=job["description"],
+        tags=job["tags"],
+        owner=job["owner"],
+        on_failure_callback=notifier,
+        doc_md=f"Declared job `include/jobs/{path.name}`, running the fine-tune of plugins/maxtext_sft/pipeline.py.",
+    )
+
+
+def notify_targets() -> dict[str, str]:
+    """dag_id -> notification connection of every declared job (for the janitor); broken files skipped."""
+    targets = {}
+    for path in sorted(jobs_dir().glob("*.yaml")):
+        try:
+            job = load_job(path)
+        except JobConfigError:
+            continue  # its loader shows the import error
+        if job["notify_conn_id"]:
+            targets[job["dag_id"]] = job["notify_conn_id"]
+    return targets

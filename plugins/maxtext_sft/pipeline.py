@@ -1,0 +1,198 @@
+"""The fine-tune, as a DAG: the tutorial's runbook, step by step, for every DAG that runs it.
+
+`fine_tune_dag` builds the task graph; dags/maxtext_sft.py (the manual DAG, run conf) and each
+declared job (include/jobs/*.yaml, one loader in dags/ each) call it with their own schedule
+and Param defaults, so every DAG runs the same steps:
+  0. plan the run (validate Params, pin the dataset snapshot) and check the token, model,
+     dataset, reservation and output location (nothing is paid for yet)
+  1. create the TPU VM (ct6e-standard-8t, RESERVATION_BOUND, terminates by DELETE)
+  2. install MaxText on it
+  3. convert the Hugging Face checkpoint to MaxText format
+  4. run SFT (detached; a sensor waits for the final checkpoint)
+  5. convert the result back to Hugging Face format; keep it (output_location, or the worker)
+  6. delete the VM, whatever happened before; publish to the Hub if asked
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import DAG, Param, conf, task
+from maxtext_sft.lineage import TUNED_MODEL
+from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
+from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
+from maxtext_sft.operators.vm_script import VmScriptOperator
+from maxtext_sft.outcome import check_run_outcome, record_failure
+from maxtext_sft.plan import plan_run as plan
+from maxtext_sft.preflight import run_preflight
+from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
+from maxtext_sft.spec import RunSpec
+
+GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
+SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
+HF_CONN_ID = "huggingface_default"  # password = Hugging Face token (extra endpoint: a private Hub)
+
+
+def retry_delay() -> timedelta:
+    """Airflow config [maxtext_sft] retry_delay_seconds: how long a failed task waits to retry."""
+    return timedelta(seconds=conf.getint("maxtext_sft", "retry_delay_seconds", fallback=30))
+
+
+def fine_tune_dag(
+    dag_id: str,
+    *,
+    params: dict[str, Param],
+    schedule: Any = None,
+    start_date: datetime | None = None,
+    end_date: datetime | None = None,
+    catchup: bool = False,
+    max_active_runs: int = 16,
+    is_paused_upon_creation: bool | None = None,
+    description: str = "MaxText SFT on a reservation-bound TPU VM, deleted whatever happens",
+    tags: list[str] | None = None,
+    owner: str = "ml-platform",
+    on_failure_callback: Callable | None = None,
+    doc_md: str | None = None,
+) -> DAG:
+    """A DAG that runs the fine-tune with these Param defaults on this schedule."""
+    with DAG(
+        dag_id=dag_id,
+        description=description,
+        schedule=schedule,
+        start_date=start_date,
+        end_date=end_date,
+        catchup=catchup,
+        max_active_runs=max_active_runs,
+        is_paused_upon_creation=is_paused_upon_creation,
+        params=params,
+        tags=tags or ["maxtext", "sft", "tpu"],
+        on_failure_callback=on_failure_callback,  # the run failed: tell its owners
+        default_args={
+            "retries": 2,
+            "retry_delay": retry_delay(),
+            "owner": owner,
+            "on_failure_callback": record_failure,  # check_run_outcome names the cause
+        },
+        doc_md=doc_md or __doc__,
+    ) as dag:
+        _add_fine_tune_tasks()
+    return dag
+
+
+def _add_fine_tune_tasks() -> None:
+    @task(multiple_outputs=True)
+    def plan_run(**context):
+        """Validate Params and connections; derive names and paths; pin the dataset snapshot.
+        Bad input fails at once (no retries); nothing is paid for yet."""
+        return plan(context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID)
+
+    run = plan_run()
+
+    @task
+    def preflight(spec: dict, **context):
+        """Check what would otherwise fail on the paid-for VM: token and model access, the dataset
+        snapshot and its files, the reservation's machine type and free capacity, the output location."""
+        return run_preflight(
+            RunSpec.from_dict(spec), gcp_conn_id=GCP_CONN_ID, hf_conn_id=HF_CONN_ID, log=context["task"].log
+        )
+
+    checked = preflight(run["spec"])
+    vm_connections = {"gcp_conn_id": GCP_CONN_ID, "ssh_conn_id": SSH_CONN_ID}
+    step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID}
+
+    # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
+    # run even when the create fails after the API accepted it, or a user marks the run failed.
+    vm_lease = EmptyOperator(task_id="vm_lease")
+
+    # 1. Create the VM.
+    create_vm = CreateVmOperator(
+        task_id="create_vm",
+        project_id=run["project_id"],
+        zone=run["zone"],
+        resource_id=run["vm_name"],
+        request_id=run["request_id"],
+        body=run["instance_body"],
+        lifetime_minutes=run["lifetime_minutes"],
+        gcp_conn_id=GCP_CONN_ID,
+        retry_exponential_backoff=True,  # 5xx errors clear up over minutes
+    )
+    wait_for_ssh = VmSshReadySensor(
+        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=600, **vm_connections
+    )
+
+    # 2. Install MaxText.
+    install_maxtext = VmScriptOperator(task_id="install_maxtext", step="install", spec=run["spec"], **step_connections)
+
+    # 3. Convert Hugging Face -> MaxText.
+    convert_checkpoint = VmScriptOperator(
+        task_id="convert_checkpoint", step="convert", spec=run["spec"], **step_connections
+    )
+
+    # 4. SFT: started detached, then watched until the final checkpoint.
+    start_training = VmScriptOperator(
+        task_id="start_training",
+        step="start_training",
+        spec=run["spec"],
+        results=convert_checkpoint.output,  # the converted checkpoint's path (maybe another run's)
+        **step_connections,
+    )
+    # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries).
+    wait_for_final_checkpoint = TrainingCheckpointSensor(
+        task_id="wait_for_final_checkpoint", spec=run["spec"], **step_connections
+    )
+
+    # 5. Convert MaxText -> Hugging Face; the model card and the run record go next to it.
+    export_to_hf = VmScriptOperator(task_id="export_to_hf", step="export", spec=run["spec"], **step_connections)
+    collect_outputs = CollectOutputsOperator(
+        task_id="collect_outputs",
+        spec=run["spec"],
+        training=wait_for_final_checkpoint.output,
+        base_checkpoint=convert_checkpoint.output,
+        export=export_to_hf.output,
+        outlets=[TUNED_MODEL],  # a new model: DAGs scheduled on this Asset start
+        **vm_connections,
+    )
+
+    # 6. Delete the VM in every outcome.
+    delete_vm = DeleteVmOperator(
+        task_id="delete_vm",
+        project_id=run["project_id"],
+        zone=run["zone"],
+        resource_id=run["vm_name"],
+        gcp_conn_id=GCP_CONN_ID,
+        retries=5,
+    ).as_teardown(setups=vm_lease)
+
+    # Publishing reads the export from storage (or the worker), so it need not hold the VM.
+    publish_to_hub = PublishToHubOperator(
+        task_id="publish_to_hub",
+        spec=run["spec"],
+        record=collect_outputs.output,
+        gcp_conn_id=GCP_CONN_ID,
+        hf_conn_id=HF_CONN_ID,
+    )
+
+    (
+        run
+        >> checked
+        >> vm_lease
+        >> create_vm
+        >> wait_for_ssh
+        >> install_maxtext
+        >> convert_checkpoint
+        >> start_training
+        >> wait_for_final_checkpoint
+        >> export_to_hf
+        >> collect_outputs
+        >> delete_vm
+    )
+    collect_outputs >> publish_to_hub
+
+    # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise
+    # decide it. This last teardown runs in every outcome (so also when a user marks the run
+    # failed, which skips the tasks that had not run) and fails the run unless every task
+    # succeeded, the delete included.
+    [delete_vm, publish_to_hub] >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
