@@ -89,6 +89,7 @@ class Airflow:
         database_url: str | None = None,
         dag_id: str = "maxtext_sft",
         parallelism: int = 4,
+        dags_folder: Path | None = None,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -96,6 +97,7 @@ class Airflow:
         self.database_url = database_url or f"sqlite:///{self.home}/airflow.db"
         self.dag_id = dag_id
         self.parallelism = parallelism
+        self.dags_folder = Path(dags_folder) if dags_folder else REPO / "dags"
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -129,6 +131,18 @@ class Airflow:
         if self.running(name):
             raise AirflowError(f"{name} is already running (pid {self.processes[name].pid})")
         self.processes[name] = self._spawn(name, [name])
+
+    def cli(self, *airflow_args: str, timeout: float = 300) -> str:
+        """Run `airflow ARGS` (e.g. `backfill create ...`) as a user of this deployment would; its output."""
+        if self._env is None:
+            raise AirflowError("start() the harness first")
+        done = subprocess.run(
+            [sys.executable, "-m", "airflow", *airflow_args], env=self._env, cwd=self.home,
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise AirflowError(f"airflow {' '.join(airflow_args)} exited {done.returncode}: {done.stderr[-3000:]}")
+        return done.stdout
 
     def start_scheduler(self) -> None:
         self.start_component("scheduler")
@@ -222,9 +236,9 @@ class Airflow:
     def task_states(self, run_id: str) -> dict[str, str | None]:
         return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
 
-    def xcom(self, run_id: str, task_id: str):
-        """A task's return value, or None when it has none."""
-        path = f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+    def xcom(self, run_id: str, task_id: str, key: str = "return_value", dag_id: str | None = None):
+        """A task's XCom (its return value by default), or None when it has none."""
+        path = f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}"
         entry = self.get(path, missing_ok=True)
         return entry["value"] if entry else None
 
@@ -245,7 +259,7 @@ class Airflow:
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__AUTH_MANAGER": SIMPLE_AUTH_MANAGER,
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "true",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "false",

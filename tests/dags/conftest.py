@@ -1,14 +1,19 @@
-"""Fixtures that run the pipeline DAG against the local cloud with `dag.test()`."""
+"""Fixtures that run the pipeline DAG against the local cloud: with `dag.test()`, or through Airflow's
+real components (a scheduler, dag-processor, triggerer and api-server)."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import json
+import os
 import sys
+import time
+import uuid
 
 import pytest
 
+from localcloud.airflow_harness import Airflow
 from localcloud.connections import LOCAL_RUN_CONF
 from tests.conftest import REPO
 
@@ -95,3 +100,62 @@ def collect(dag_run) -> PipelineRun:
             task_states={ti.task_id: str(ti.state) for ti in tis},
             xcoms={f"{x.task_id}.{x.key}": XComModel.deserialize_value(x) for x in xcoms},
         )
+
+
+# ----- Airflow's real components (localcloud.airflow_harness) on the session's PostgreSQL --------
+
+
+def wait_until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(1)  # polling interval; the condition is re-read each time
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_for_training_watched(airflow, run_id: str) -> None:
+    wait_until(
+        lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
+        240,
+        "training to be watched",
+    )
+
+
+def wait_for_run_end(airflow, run_id: str, timeout: float = 240, dag_id: str | None = None) -> dict:
+    def ended():
+        run = airflow.run(run_id) if dag_id is None else airflow.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+        return run if run["state"] in ("success", "failed") else None
+
+    return wait_until(ended, timeout, "the run to end")
+
+
+@pytest.fixture
+def start_airflow(tmp_path, pipeline_connections, postgres_server):
+    """start_airflow(settings, **harness_options): Airflow on a fresh database, stopped (and its
+    database dropped) at the end of the test."""
+    started = []
+
+    def start(settings: dict | None = None, **options) -> Airflow:
+        database = f"scheduler_{uuid.uuid4().hex[:8]}"
+        url = postgres_server.create_database(database)
+        env = {**os.environ, **pipeline_connections, **(settings or {})}
+        instance = Airflow(tmp_path / f"airflow-home-{len(started)}", env, database_url=url, **options)
+        started.append((instance, database))
+        instance.start()
+        return instance
+
+    try:
+        yield start
+    finally:
+        for instance, database in started:
+            instance.stop()
+            postgres_server.drop_database(database)
+
+
+@pytest.fixture
+def airflow(request, start_airflow):
+    """Airflow with the project's DAGs; a test's `airflow_config` marker adds settings to its environment."""
+    marker = request.node.get_closest_marker("airflow_config")
+    return start_airflow(marker.args[0] if marker else {})

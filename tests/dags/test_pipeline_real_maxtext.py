@@ -1,9 +1,9 @@
-"""The pipeline DAG, unchanged, on the real MaxText 0.2.2 at toy size (the local cloud's real image)."""
+"""The pipeline DAG, unchanged, on the real MaxText 0.2.2 at toy size (the local cloud's real image);
+the sample-generations DAG downstream of it loads the tuned model in the image's venv."""
 
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
@@ -12,21 +12,11 @@ from google.cloud import storage
 
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
+from tests.conftest import REPO
+from tests.dags.conftest import wait_for_run_end, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
 STEPS = 5
-
-GENERATE = """
-import sys
-from transformers import AutoModelForCausalLM, AutoTokenizer
-path = sys.argv[1]
-tokenizer = AutoTokenizer.from_pretrained(path)
-model = AutoModelForCausalLM.from_pretrained(path)
-inputs = tokenizer("Hello", return_tensors="pt")
-output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-print("NEW_TOKENS", output.shape[1] - inputs["input_ids"].shape[1])
-"""
-
 
 @pytest.fixture(scope="module")
 def real_image(local_cloud):
@@ -35,15 +25,22 @@ def real_image(local_cloud):
     return image
 
 
-def test_fine_tunes_into_storage_and_publishes_a_model_that_generates(run_pipeline, real_image, local_cloud, tmp_path):
-    # What `make run` does: MaxText itself writes its run folder to gs:// (Orbax, tensorstore and
-    # gcsfs reach the local GCS from the VM), and the export is published to the local Hub.
-    run = run_pipeline(real_maxtext_run_conf(real_image, steps=STEPS, outputs=True))
-    log = run.log
-    assert run.state == "success", run.task_states
-    assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == STEPS
-    assert run.xcoms["publish_to_hub.return_value"]["commit"]
+def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_the_model(
+    start_airflow, real_image, local_cloud
+):
+    # What `make run` does, through Airflow's real components: MaxText itself writes its run
+    # folder to gs:// (Orbax, tensorstore and gcsfs reach the local GCS from the VM), the export
+    # is published to the local Hub, and the tuned-model Asset event starts the sample DAG, which
+    # generates in the image's venv (torch stays out of Airflow's).
+    python = real_image / "maxtext_venv" / "bin" / "python3"
+    airflow = start_airflow({"AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON": str(python)})
+    run_id = airflow.trigger(real_maxtext_run_conf(real_image, steps=STEPS, outputs=True))
+    run = wait_for_run_end(airflow, run_id, timeout=1200)
+    assert run["state"] == "success", airflow.task_states(run_id)
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == STEPS
+    assert airflow.xcom(run_id, "publish_to_hub")["commit"]
     # Each training step was logged once, with its loss, as training went.
+    log = "\n".join(str(line) for line in airflow.task_log(run_id, "wait_for_final_checkpoint"))
     logged = [int(step) for step in re.findall(r"training progress: step (\d+), loss [0-9.]+", log)]
     assert sorted(set(logged)) == list(range(1, STEPS + 1))
     assert len(logged) == STEPS
@@ -54,20 +51,35 @@ def test_fine_tunes_into_storage_and_publishes_a_model_that_generates(run_pipeli
         credentials=AnonymousCredentials(),
         client_options={"api_endpoint": local_cloud.storage_url},
     )
-    run_prefix = f"{prefix}/runs/{run.xcoms['plan_run.spec']['run_name']}/"
+    run_name = airflow.xcom(run_id, "plan_run", "spec")["run_name"]
+    run_prefix = f"{prefix}/runs/{run_name}/"
     names = [blob.name[len(run_prefix) :] for blob in client.list_blobs(bucket_name, prefix=run_prefix)]
     committed = {int(m.group(1)) for n in names if (m := re.match(r"checkpoints/(\d+)/commit_success.txt$", n))}
     assert max(committed) == STEPS, names
     assert any(n.startswith("tensorboard/") for n in names), names
-    # The export loads in transformers and generates (in the image's venv: torch stays out of Airflow's).
-    export = tmp_path / "hf-export"
-    export.mkdir()
-    for blob in client.list_blobs(bucket_name, prefix=run_prefix + "hf-export/"):
-        blob.download_to_filename(export / blob.name.rsplit("/", 1)[1])
-    python = real_image / "maxtext_venv" / "bin" / "python3"
-    result = subprocess.run([str(python), "-c", GENERATE, str(export)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "NEW_TOKENS 4" in result.stdout
+
+    # The tuned-model Asset event says where the model is and what made it...
+    [event] = airflow.get("/api/v2/assets/events?source_dag_id=maxtext_sft")["asset_events"]
+    assert event["source_run_id"] == run_id
+    extra = event["extra"]
+    assert extra["location"] == f"gs://{bucket_name}/{run_prefix}hf-export"
+    assert (extra["steps"], extra["base_model"], extra["run_name"]) == (STEPS, "google/gemma-3-4b-it", run_name)
+    assert float(extra["final_loss"]) > 0
+    # ...and starts the downstream DAG, which loads that model and generates from each prompt.
+    downstream = airflow.get("/api/v2/dags/maxtext_sft_sample_generations")
+    assert downstream["dag_id"]
+
+    def sample_run():
+        runs = airflow.get("/api/v2/dags/maxtext_sft_sample_generations/dagRuns")["dag_runs"]
+        return runs[0] if runs and runs[0]["state"] in ("success", "failed") else None
+
+    triggered = wait_until(sample_run, 600, "the sample generations run")
+    assert triggered["run_type"] == "asset_triggered" and triggered["state"] == "success", triggered
+    [samples] = airflow.xcom(triggered["dag_run_id"], "generate_samples", dag_id="maxtext_sft_sample_generations")
+    prompts = (REPO / "include" / "eval" / "prompts.txt").read_text().split("\n")
+    assert samples["model"] == extra["location"]
+    assert [s["prompt"] for s in samples["samples"]] == [p for p in prompts if p]
+    assert all(s["new_tokens"] > 0 for s in samples["samples"]), samples
 
 
 def test_a_dataset_too_small_for_the_steps_fails_the_run_with_the_reason(run_pipeline, real_image, local_cloud):

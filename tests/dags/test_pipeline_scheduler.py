@@ -14,59 +14,15 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import uuid
 from pathlib import Path
 
 import pytest
 
-from localcloud.airflow_harness import Airflow
 from tests.conftest import REPO
 from tests.dags import fault_tally
+from tests.dags.conftest import wait_for_run_end, wait_for_training_watched, wait_until
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(1)  # polling interval; the condition is re-read each time
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def wait_for_training_watched(airflow, run_id: str) -> None:
-    wait_until(
-        lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
-        240,
-        "training to be watched",
-    )
-
-
-def wait_for_run_end(airflow, run_id: str, timeout: float = 240) -> dict:
-    def ended():
-        run = airflow.run(run_id)
-        return run if run["state"] in ("success", "failed") else None
-
-    return wait_until(ended, timeout, "the run to end")
-
-
-@pytest.fixture
-def airflow(request, tmp_path, pipeline_connections, postgres_server):
-    """Airflow on a fresh database; a test's `airflow_config` marker adds settings to its environment."""
-    marker = request.node.get_closest_marker("airflow_config")
-    settings = marker.args[0] if marker else {}
-    database = f"scheduler_{uuid.uuid4().hex[:8]}"
-    url = postgres_server.create_database(database)
-    env = {**os.environ, **pipeline_connections, **settings}
-    instance = Airflow(tmp_path / "airflow-home", env, database_url=url)
-    try:
-        instance.start()
-        yield instance
-    finally:
-        instance.stop()
-        postgres_server.drop_database(database)
 
 
 def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cloud):

@@ -1,0 +1,82 @@
+"""Sample generations from a tuned model: fetch its export, run include/eval/generate_samples.py.
+
+The generation needs torch and transformers, which Airflow's environment does not carry: it runs
+with the interpreter named by the Airflow config `[maxtext_sft] generation_python` (env
+AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON), e.g. a venv on the workers, or MaxText's own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import conf
+from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "include" / "eval"
+GENERATION_TIMEOUT_SECONDS = 1800
+
+
+def generation_python() -> str:
+    python = conf.get("maxtext_sft", "generation_python", fallback="")
+    if not python or not Path(python).is_file():
+        raise AirflowFailException(
+            f"[maxtext_sft] generation_python is {python or 'unset'}: set it (or "
+            "AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON) to a Python with torch and transformers"
+        )
+    return python
+
+
+def _generation_env(scratch: str) -> dict[str, str]:
+    """Only what the generation needs: not the worker's environment, which may carry connections."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
+    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`."""
+    if location.startswith("gs://"):
+        storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
+        bucket, prefix = split_gcs_uri(location)
+        names = storage.names_under(location)
+        if not names:
+            raise AirflowFailException(f"No model files under {location}")
+        for name in names:
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            storage.download(bucket, f"{prefix}/{name}", filename=str(target))
+        return into
+    host, _, path = location.partition(":")
+    if host != socket.gethostname():
+        raise AirflowFailException(
+            f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
+            "give the fine-tune an output_location so that every worker can read its model"
+        )
+    shutil.copytree(path, into, dirs_exist_ok=True)
+    return into
+
+
+def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_tokens: int, log) -> dict[str, Any]:
+    """Generate one completion per prompt of include/eval/prompts.txt from the model of an Asset event."""
+    python = generation_python()
+    with tempfile.TemporaryDirectory(prefix="tuned-model-") as folder:
+        model_dir = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
+        log.info("Generating from %s (run %s, dataset %s@%s)", model["location"], model["run_name"],
+                 model["dataset"], model["dataset_revision"])
+        done = subprocess.run(
+            [python, str(EVAL_DIR / "generate_samples.py"), str(model_dir), str(EVAL_DIR / "prompts.txt"),
+             str(max_new_tokens)],
+            capture_output=True, text=True, timeout=GENERATION_TIMEOUT_SECONDS, env=_generation_env(folder),
+        )
+    if done.returncode != 0:
+        raise AirflowFailException(f"Generation failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    samples = json.loads(done.stdout.strip().splitlines()[-1])["samples"]
+    for sample in samples:
+        log.info("%r -> %r", sample["prompt"], sample["completion"])
+    return {"model": model["location"], "run_name": model["run_name"], "samples": samples}
