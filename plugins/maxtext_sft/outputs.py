@@ -95,13 +95,15 @@ def run_record(
     training: dict[str, Any],
     base_checkpoint: str | None,
     hf_export: str,
+    location: str | None = None,
     loss_history: list | None = None,
     loss_curve: str | None = None,
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs).
 
-    `loss_history` is [[step, loss or None], ...] from the training log (None: it could not be
-    read); `loss_curve` where its chart went.
+    `location` is where this record itself goes (the run summary points there); `loss_history`
+    is [[step, loss or None], ...] from the training log (None: it could not be read);
+    `loss_curve` where its chart went.
     """
     return {
         "dag_id": spec.dag_id,
@@ -117,6 +119,7 @@ def run_record(
         "checkpoints_durable": spec.durable,
         "hf_export": hf_export,
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
+        "run_record": location,
         "loss_curve": loss_curve,
         "loss_history": loss_history,
         "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -82,7 +82,7 @@ class CollectOutputsOperator(BaseOperator):
             storage.upload(curve_bucket, curve_name, data=render_loss_curve(history), mime_type="image/png")
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri,
-            loss_history=history, loss_curve=curve,
+            location=spec.run_record_uri, loss_history=history, loss_curve=curve,
         )
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
@@ -108,7 +108,7 @@ class CollectOutputsOperator(BaseOperator):
             curve = f"{socket.gethostname()}:{folder / LOSS_CURVE_NAME}"
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location,
-            loss_history=history, loss_curve=curve,
+            location=f"{socket.gethostname()}:{folder / RUN_RECORD_NAME}", loss_history=history, loss_curve=curve,
         )
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(
