@@ -12,6 +12,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 
 from maxtext_sft.phase_timing import PHASE_KEY
 
@@ -60,9 +62,24 @@ def t(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
+BUCKET = "summary-probe"
+
+
 @pytest.fixture(scope="module")
-def finished(probe_dag, tmp_path_factory):
-    return run_probe(probe_dag, tmp_path_factory.mktemp("summary-probe"))
+def bucket(local_cloud, pipeline_connections):
+    """A bucket of the local cloud, which google_cloud_default (pipeline_connections) reaches."""
+    local_cloud.create_bucket(BUCKET, exist_ok=True)
+    client = storage.Client(
+        project="local-project",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": local_cloud.storage_endpoint.removesuffix("/storage/v1/")},
+    )
+    return client.bucket(BUCKET)
+
+
+@pytest.fixture(scope="module")
+def finished(probe_dag, bucket, tmp_path_factory):
+    return run_probe(probe_dag, tmp_path_factory.mktemp("summary-probe"), output_location=f"gs://{BUCKET}/probe")
 
 
 def test_the_summary_runs_last_but_one_and_the_outcome_still_decides(finished):
@@ -129,6 +146,14 @@ def test_the_vm_lifetime_and_cost_come_from_create_and_delete(finished):
     assert vm["estimated_cost_usd"] == round(seconds / 3600 * PRICE, 2)
     assert (summary["final_step"], summary["final_loss"]) == (3, "1.250")
     assert summary["outputs"] is None and summary["warnings"] == []
+
+
+def test_with_an_output_location_the_summary_is_written_beside_the_run_record(finished, bucket):
+    _, xcoms, _ = finished
+    summary = xcoms["summarize_run.return_value"]
+    run_name = xcoms["plan_run.spec"]["run_name"]
+    assert summary["run_summary"] == f"gs://{BUCKET}/probe/runs/{run_name}/run-summary.json"
+    assert json.loads(bucket.blob(f"probe/runs/{run_name}/run-summary.json").download_as_bytes()) == summary
 
 
 def test_a_run_that_fails_before_the_vm_is_still_summarised_with_no_cost(probe_dag, tmp_path):

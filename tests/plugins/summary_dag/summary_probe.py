@@ -3,8 +3,9 @@ runs (tests/plugins/test_phase_timing.py runs it with dag.test()).
 
 create_vm fails its first try and is retried; wait_for_final_checkpoint is a reschedule-mode
 sensor done at its third poke; export_to_hf fails, so collect_outputs and publish_to_hub never
-run. The Param `fail_early` fails plan_run instead, before any VM. Each task notes when its code
-ran in the folder the Param `scratch` names, to compare with what the summary says.
+run. The Param `fail_early` fails plan_run instead, before any VM; with `output_location` the
+summary is written there. Each task notes when its code ran in the folder the Param `scratch`
+names, to compare with what the summary says.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ class TrainingSensor(BaseSensorOperator):
 with DAG(
     dag_id="summary_probe",
     schedule=None,
-    params={"scratch": Param("", type="string"), "fail_early": Param(False, type="boolean")},
+    params={
+        "scratch": Param("", type="string"),
+        "fail_early": Param(False, type="boolean"),
+        "output_location": Param(None, type=["null", "string"]),
+    },
     default_args={
         "retries": 0,
         "on_execute_callback": note_phase_start,
@@ -59,7 +64,11 @@ with DAG(
         if context["params"]["fail_early"]:
             raise AirflowFailException("bad conf")
         spec = build_run_spec(
-            {"reservation": "r", "vm_hourly_price_usd": HOURLY_PRICE},
+            {
+                "reservation": "r",
+                "vm_hourly_price_usd": HOURLY_PRICE,
+                "output_location": context["params"]["output_location"],
+            },
             dag_id=context["dag_run"].dag_id,
             run_id=context["dag_run"].run_id,
             generation=0,
