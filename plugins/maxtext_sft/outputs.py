@@ -15,6 +15,9 @@ from maxtext_sft.spec import RunSpec
 
 RUN_RECORD_NAME = "run-record.json"
 MODEL_CARD_NAME = "README.md"
+# Beside the run record: the training loss per step as a chart, and the run summary (summarize_run).
+LOSS_CURVE_NAME = "loss-curve.png"
+RUN_SUMMARY_NAME = "run-summary.json"
 
 
 class FinalLossError(ValueError):
@@ -92,8 +95,16 @@ def run_record(
     training: dict[str, Any],
     base_checkpoint: str | None,
     hf_export: str,
+    location: str | None = None,
+    loss_history: list | None = None,
+    loss_curve: str | None = None,
 ) -> dict[str, Any]:
-    """Where everything of the run went (written last, next to the run's outputs)."""
+    """Where everything of the run went (written last, next to the run's outputs).
+
+    `location` is where this record itself goes (the run summary points there); `loss_history`
+    is [[step, loss or None], ...] from the training log (None: it could not be read);
+    `loss_curve` where its chart went.
+    """
     return {
         "dag_id": spec.dag_id,
         "run_id": spec.run_id,
@@ -112,5 +123,8 @@ def run_record(
         "checkpoints_durable": spec.durable,
         "hf_export": hf_export,
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
+        "run_record": location,
+        "loss_curve": loss_curve,
+        "loss_history": loss_history,
         "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

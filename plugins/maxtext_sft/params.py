@@ -77,6 +77,11 @@ def pipeline_params() -> dict[str, Param]:
         "image_project": _param("image_project", "string", "Project of the boot image.", VM),
         "image_family": _param("image_family", "string", "Image family of the boot disk.", VM),
         "boot_disk_size_gb": _param("boot_disk_size_gb", "integer", "Boot disk size in GB.", VM),
+        "vm_hourly_price_usd": _param(
+            "vm_hourly_price_usd", "number",
+            "What the VM costs per hour in USD (default: a v6e-8 on a reservation, roughly); the run "
+            "summary's estimated cost is the VM's hours times this. Informational only.", VM, minimum=0,
+        ),
         "use_internal_ip": _param(
             "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
         ),

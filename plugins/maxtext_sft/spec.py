@@ -31,6 +31,7 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "image_project": "ubuntu-os-accelerator-images",
     "image_family": "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
     "boot_disk_size_gb": 200,
+    "vm_hourly_price_usd": 20.0,  # a v6e-8 on a reservation, roughly: the run summary's cost estimate
     "service_account": "default",
     "model_name": "gemma3-4b",
     "model_revision": None,  # None: the Hub's default branch
@@ -185,6 +186,7 @@ class RunSpec:
     image_project: str
     image_family: str
     boot_disk_size_gb: int
+    vm_hourly_price_usd: float  # only for the run summary's estimated cost; nothing is billed by it
     service_account: str
     ssh_user: str
     ssh_public_key: str
@@ -510,6 +512,14 @@ def _bool(params: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+def _non_negative_number(params: Mapping[str, Any], name: str) -> float:
+    value = params.get(name)
+    # bool is an int to Python, and NaN or infinity would make every cost meaningless.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise SpecError(f"Param {name!r}: {value!r} is not a non-negative number")
+    return float(value)
+
+
 def _optional(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], what: str) -> str | None:
     return None if params.get(name) is None else _require(params, name, pattern, what)
 
@@ -629,6 +639,7 @@ def build_run_spec(
         image_project=_require(p, "image_project", PROJECT_ID, "an image project"),
         image_family=_require(p, "image_family", GCE_NAME, "an image family"),
         boot_disk_size_gb=_int_in(p, "boot_disk_size_gb"),
+        vm_hourly_price_usd=_non_negative_number(p, "vm_hourly_price_usd"),
         service_account=_require(p, "service_account", EMAIL, "'default' or a service account email"),
         ssh_user=ssh_user,
         ssh_public_key=ssh_public_key,

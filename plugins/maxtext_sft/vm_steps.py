@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from maxtext_sft.hooks.vm_ssh import REMOTE_SCRIPT_DIR
+from maxtext_sft.loss_curve import MAX_POINTS
 from maxtext_sft.spec import RunSpec
 
 
@@ -62,6 +63,13 @@ STEPS: dict[str, VmStep] = {
     "training_status": VmStep(
         script="training_status.sh",
         arguments=lambda s, _: [s.work_dir, s.run_name, s.checkpoints_dir, str(s.steps)],
+        timeout_seconds=lambda s: 120,
+        needs_hf_token=False,
+    ),
+    # Read only; collect_outputs parses the lines (loss_curve.STEP_LINE) for the loss curve.
+    "loss_history": VmStep(
+        script="loss_history.sh",
+        arguments=lambda s, _: [s.work_dir, s.run_name, str(MAX_POINTS)],
         timeout_seconds=lambda s: 120,
         needs_hf_token=False,
     ),

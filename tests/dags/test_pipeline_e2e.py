@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.plugins.test_loss_curve import decode_png
+
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "gcloud-tutorial-requests.json"
 TUTORIAL_VALUES = {"project_id": "my-project", "zone": "us-east5-b", "reservation": "my-reservation"}
 
@@ -92,6 +94,15 @@ def test_without_an_output_location_the_export_is_copied_off_the_vm(happy_run):
     assert json.loads((export.parent / "run-record.json").read_text())["run_id"] == run.run_id
     assert "the checkpoints were not durable" in run.log
     assert run.task_states["publish_to_hub"] == "success"  # nothing to publish: no hub_repo_id
+
+
+def test_without_an_output_location_the_loss_curve_is_beside_the_run_record_on_the_worker(happy_run):
+    run, _ = happy_run
+    record = run.xcoms["collect_outputs.return_value"]
+    curve = Path(record["loss_curve"].split(":", 1)[1])
+    assert curve.name == "loss-curve.png" and curve.parent == Path(record["run_record"].split(":", 1)[1]).parent
+    assert decode_png(curve.read_bytes())[:2] == (640, 400)
+    assert record["loss_history"][-1] == [30, float(record["final_loss"])]
 
 
 def _strip(value, endpoint_prefixes, project):

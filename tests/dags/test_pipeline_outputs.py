@@ -18,6 +18,7 @@ from huggingface_hub import HfApi
 
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
 from tests.dags.conftest import parse_pipeline_dag
+from tests.plugins.test_loss_curve import decode_png
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +70,19 @@ def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucke
     assert record == run.xcoms["collect_outputs.return_value"]
     card = bucket.blob(run_prefix + "hf-export/README.md").download_as_text()
     assert "12 steps, final training loss" in card
+
+
+def test_the_loss_curve_and_the_loss_history_are_beside_the_run_record(durable_run, bucket):
+    run, _ = durable_run
+    run_prefix = f"sft/runs/{run.xcoms['plan_run.spec']['run_name']}/"
+    record = run.xcoms["collect_outputs.return_value"]
+    assert record["run_record"] == f"gs://{BUCKET}/{run_prefix}run-record.json"
+    assert record["loss_curve"] == f"gs://{BUCKET}/{run_prefix}loss-curve.png"
+    history = record["loss_history"]
+    assert [step for step, _ in history] == list(range(1, 13))  # every step the training log has
+    assert history[-1][1] == float(record["final_loss"])
+    width, height, _ = decode_png(bucket.blob(run_prefix + "loss-curve.png").download_as_bytes())
+    assert (width, height) == (640, 400)
 
 
 def test_the_vm_was_deleted_after_the_upload_finished(durable_run, bucket):

@@ -23,6 +23,7 @@ from google.cloud import storage
 
 from localcloud import images
 from localcloud.cloud import storage_env
+from maxtext_sft.loss_curve import parse_loss_history
 from maxtext_sft.spec import build_run_spec
 from maxtext_sft.vm_steps import STEPS, include_dir
 
@@ -181,6 +182,27 @@ def test_exit_zero_before_the_final_step_is_a_failure(vm):
     assert fields["state"] == "failed", seen
     assert fields["out_of_data"] == "yes"
     assert "run out of training data" in seen
+
+
+def test_loss_history_prints_every_step_line_of_the_training_and_is_safe_to_run_twice(vm):
+    missing = vm.run("loss_history", check=False)
+    assert missing.returncode != 0 and "no training log" in missing.stderr
+    converted(vm)
+    vm.run("start_training")
+    assert vm.wait_for_training()[0]["state"] == "succeeded"
+    first = vm.run("loss_history", token=None)
+    assert first.stdout == vm.run("loss_history", token=None).stdout
+    lines = first.stdout.splitlines()
+    assert all("completed step: " in line for line in lines)
+    history = parse_loss_history(lines)
+    assert [step for step, _ in history] == list(range(1, 13))
+    assert all(isinstance(loss, float) and loss > 0 for _, loss in history)
+    # A long log is thinned to MAX_LINES lines, the first and last step always kept.
+    script, args = include_dir() / STEPS["loss_history"].script, STEPS["loss_history"].arguments(vm.spec, {})
+    env = {"HOME": str(vm.home), "PATH": "/usr/bin:/bin"}
+    thin = subprocess.run(["bash", str(script), *args[:2], "5"], capture_output=True, text=True, env=env, check=True)
+    steps = [step for step, _ in parse_loss_history(thin.stdout.splitlines())]
+    assert len(steps) <= 5 and steps[0] == 1 and steps[-1] == 12
 
 
 def test_export_writes_the_hf_files_and_is_safe_to_run_twice(vm):

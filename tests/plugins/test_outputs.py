@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -72,3 +73,15 @@ def test_the_record_says_whether_checkpoints_were_durable():
     local = make_spec()
     record = run_record(local, training={}, base_checkpoint=None, hf_export="host:/x")
     assert record["checkpoints"] is None and record["checkpoints_durable"] is False
+
+
+def test_the_record_keeps_the_loss_history_and_where_it_and_the_chart_went():
+    spec = make_spec(output_location="gs://bkt/p")
+    history = [[1, 2.5], [2, None], [3, 1.5]]
+    record = run_record(spec, training={"final_step": 3, "final_loss": "1.5"}, base_checkpoint=None,
+                        hf_export=spec.hf_export_uri, location=spec.run_record_uri, loss_history=history,
+                        loss_curve=f"{spec.run_output_dir}/loss-curve.png")
+    assert record["run_record"] == f"gs://bkt/p/runs/{spec.run_name}/run-record.json"
+    assert record["loss_history"] == history
+    assert record["loss_curve"] == f"gs://bkt/p/runs/{spec.run_name}/loss-curve.png"
+    assert json.loads(json.dumps(record, allow_nan=False))["loss_history"] == history  # strict JSON: no NaN

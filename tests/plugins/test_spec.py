@@ -140,11 +140,23 @@ def test_extra_args_keep_values_as_data():
         ("hub_private", "no"),
         ("hub_max_final_loss", "1.5"),
         ("hub_max_final_loss", float("nan")),
+        ("vm_hourly_price_usd", -1),
+        ("vm_hourly_price_usd", "20"),
+        ("vm_hourly_price_usd", True),
+        ("vm_hourly_price_usd", None),
+        ("vm_hourly_price_usd", float("nan")),
+        ("vm_hourly_price_usd", float("inf")),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field, value):
     with pytest.raises(SpecError, match=f"'{field}'"):
         make_spec(**{field: value})
+
+
+def test_the_vm_price_defaults_to_a_reserved_v6e_8_and_takes_any_non_negative_number():
+    assert make_spec().vm_hourly_price_usd == 20.0
+    assert make_spec(vm_hourly_price_usd=0).vm_hourly_price_usd == 0.0
+    assert make_spec(vm_hourly_price_usd=11.5).vm_hourly_price_usd == 11.5
 
 
 def test_a_dataset_revision_pins_revision_addressed_files():

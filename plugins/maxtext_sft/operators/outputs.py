@@ -9,13 +9,18 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from google.api_core.exceptions import NotFound
+
 from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.hooks.vm_ssh import RemoteCommandError, VmSSHHook
 from maxtext_sft.lineage import TUNED_MODEL, tuned_model_event
-from maxtext_sft.operators.vm_script import vm_ssh_hook
+from maxtext_sft.loss_curve import LossHistory, downsample, parse_loss_history, render_loss_curve
+from maxtext_sft.operators.vm_script import TRANSIENT_SSH_ERRORS, HostKeysNotPublished, vm_ssh_hook
 from maxtext_sft.outputs import (
+    LOSS_CURVE_NAME,
     MODEL_CARD_NAME,
     RUN_RECORD_NAME,
     FinalLossError,
@@ -25,6 +30,7 @@ from maxtext_sft.outputs import (
     run_record,
 )
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 # Files an export must have to be a model (to_huggingface writes these and the tokenizer's).
 REQUIRED_EXPORT_FILES = ("config.json", "model.safetensors")
@@ -37,9 +43,10 @@ def local_output_dir() -> Path:
 
 
 class CollectOutputsOperator(BaseOperator):
-    """Write the model card next to the export and the run record last; without an output
-    location, first copy the export off the VM (its checkpoints die with it: the log says so).
-    Returns the run record (locations, final step and loss)."""
+    """Write the model card next to the export, the loss curve, and the run record last; without
+    an output location, first copy the export off the VM (its checkpoints die with it: the log
+    says so). The per-step losses are read from the training log on the VM, which is still alive
+    here. Returns the run record (locations, final step and loss, loss history)."""
 
     template_fields: Sequence[str] = ("spec", "training", "base_checkpoint", "export")
 
@@ -72,7 +79,16 @@ class CollectOutputsOperator(BaseOperator):
         if missing:
             raise AirflowException(f"The export in {export_uri} lacks {missing}: was export_to_hf's upload complete?")
         storage.upload(bucket, f"{prefix}/{MODEL_CARD_NAME}", data=card, mime_type="text/markdown")
-        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri)
+        history = self._loss_history_or_none(spec)
+        curve = None
+        if history:
+            curve = f"{spec.run_output_dir}/{LOSS_CURVE_NAME}"
+            curve_bucket, curve_name = split_gcs_uri(curve)
+            storage.upload(curve_bucket, curve_name, data=render_loss_curve(history), mime_type="image/png")
+        record = run_record(
+            spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri,
+            location=spec.run_record_uri, loss_history=history, loss_curve=curve,
+        )
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
         self.log.info("Outputs of %s: %s", spec.run_name, json.dumps(record, indent=1))
@@ -84,13 +100,21 @@ class CollectOutputsOperator(BaseOperator):
         hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
         with hook.get_conn():
             files = hook.download_dir(spec.hf_export_dir, export_dir)
+            history = self._loss_history(spec, hook)
         self.log.info("Copied the export off %s to %s: %s", spec.vm_name, export_dir, files)
         missing = [name for name in REQUIRED_EXPORT_FILES if name not in files]
         if missing:
             raise AirflowException(f"The export on {spec.vm_name} lacks {missing}")
         (export_dir / MODEL_CARD_NAME).write_text(card)
         location = f"{socket.gethostname()}:{export_dir}"
-        record = run_record(spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location)
+        curve = None
+        if history:
+            (folder / LOSS_CURVE_NAME).write_bytes(render_loss_curve(history))
+            curve = f"{socket.gethostname()}:{folder / LOSS_CURVE_NAME}"
+        record = run_record(
+            spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location,
+            location=f"{socket.gethostname()}:{folder / RUN_RECORD_NAME}", loss_history=history, loss_curve=curve,
+        )
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(
             "No output_location: the checkpoints were not durable and are deleted with the VM; only the export "
@@ -98,6 +122,33 @@ class CollectOutputsOperator(BaseOperator):
             export_dir,
         )
         return record
+
+    def _loss_history(self, spec: RunSpec, hook: VmSSHHook) -> LossHistory | None:
+        """[[step, loss], ...] from the training log on the VM (loss_history.sh); None, with a
+        warning, when the script fails: a missing chart is no reason to fail a run."""
+        lines: list[str] = []
+        hook.upload_scripts(script_files())
+        status, tail = hook.run_command(
+            remote_command("loss_history", spec), timeout=STEPS["loss_history"].timeout_seconds(spec),
+            on_line=lines.append,  # not logged: the sensor's log has every one of these lines already
+        )
+        if status != 0:
+            self.log.warning("No loss curve: loss_history.sh exited %s on %s: %s", status, spec.vm_name, tail[-5:])
+            return None
+        history = downsample(parse_loss_history(lines))
+        self.log.info("Loss history of %s: %s points", spec.run_name, len(history))
+        return history
+
+    def _loss_history_or_none(self, spec: RunSpec) -> LossHistory | None:
+        """With an output location nothing else here needs the VM: if it cannot be reached, the
+        outputs are still recorded, without the curve."""
+        try:
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
+            with hook.get_conn():
+                return self._loss_history(spec, hook)
+        except (NotFound, HostKeysNotPublished, RemoteCommandError, *TRANSIENT_SSH_ERRORS) as error:
+            self.log.warning("No loss curve: could not read the training log on %s: %s", spec.vm_name, error)
+            return None
 
 
 class PublishToHubOperator(BaseOperator):

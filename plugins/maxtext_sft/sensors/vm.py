@@ -11,6 +11,7 @@ from google.api_core.exceptions import NotFound
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
+from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.operators.vm_script import (
     TRANSIENT_SSH_ERRORS,
     HostKeysNotPublished,
@@ -22,7 +23,6 @@ from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
-STEP_LINE = re.compile(r"completed step: (\d+),.*?[ ,]loss: ([^ ,]+)")
 VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, or deleted by hand)"
 
 

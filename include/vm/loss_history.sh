@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The training's per-step metrics, for the run record's loss curve: prints the "completed step"
+# lines of the log start_training.sh keeps (WORK_DIR/maxtext-sft-runs/RUN_NAME/train.log), at
+# most MAX_LINES of them, evenly spread, the first and the last always among them.
+# Reads only: safe to run twice. A VM recreated mid-training has the log since it resumed.
+# Usage: loss_history.sh WORK_DIR RUN_NAME MAX_LINES
+set -euo pipefail
+export LC_ALL=C  # the log is bytes, whatever MaxText printed
+source "$(dirname "$0")/lib.sh"
+work_dir=$(resolve_dir "$1")
+run_name=$2
+max_lines=$3
+log="$work_dir/maxtext-sft-runs/$run_name/train.log"
+
+if [ ! -f "$log" ]; then
+  echo "no training log at $log" >&2
+  exit 1
+fi
+total=$(grep -a -c 'completed step: ' "$log" || true)
+every=$(((total + max_lines - 1) / max_lines))
+[ "$every" -ge 1 ] || every=1
+grep -a 'completed step: ' "$log" | awk -v every="$every" -v total="$total" '(NR - 1) % every == 0 || NR == total' || true

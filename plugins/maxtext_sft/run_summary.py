@@ -1,0 +1,246 @@
+"""The run summary: each phase's time and state, the VM's lifetime, VM-hours and estimated cost, the
+training's final step and loss, and where the outputs are.
+
+Pure functions of what the tasks left behind (their states, their phase records and XComs), so
+tests need no Airflow. A phase record is what `phase_timing.record_phase` pushes for every task
+that ran: {"started": first try's start, "ended": ..., "try_number": N, "state": ...}, ISO times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+CREATE_TASK = "create_vm"
+DELETE_TASK = "delete_vm"
+# Task states in which create_vm has started at least once, so a VM may have existed.
+STARTED_STATES = {"running", "success", "failed", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
+# States of a task that never ran because an earlier one failed (or a user marked the run failed).
+NOT_RUN_STATES = {"upstream_failed", "skipped", "removed", None}
+
+
+def pipeline_order(upstream: Mapping[str, Iterable[str]]) -> list[str]:
+    """Task ids, each after all of its upstream tasks; ties keep the given (definition) order."""
+    remaining = {task_id: set(ids) for task_id, ids in upstream.items()}
+    order: list[str] = []
+    while remaining:
+        ready = next((t for t, ids in remaining.items() if not ids & remaining.keys()), None)
+        if ready is None:  # a cycle cannot be a DAG; keep what is left in the given order
+            return order + list(remaining)
+        order.append(ready)
+        del remaining[ready]
+    return order
+
+
+def downstream_of(upstream: Mapping[str, Iterable[str]], task_id: str) -> set[str]:
+    """Every task that (transitively) waits for `task_id`."""
+    found: set[str] = set()
+    frontier = {task_id}
+    while frontier:
+        frontier = {t for t, ids in upstream.items() if set(ids) & frontier} - found
+        found |= frontier
+    return found
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+def _seconds(start: str | None, end: str | None) -> float | None:
+    started, ended = _time(start), _time(end)
+    return round((ended - started).total_seconds(), 3) if started and ended else None
+
+
+def phase_rows(
+    order: Sequence[str], states: Mapping[str, str | None], records: Mapping[str, dict | None]
+) -> list[dict[str, Any]]:
+    """One row per task in pipeline order: its state and, if it ran, its first start, its end,
+    the time in between (retries and a sensor's reschedules included) and its tries."""
+    rows = []
+    for task_id in order:
+        record = records.get(task_id) or {}
+        rows.append({
+            "task_id": task_id,
+            "state": states.get(task_id) or record.get("state"),
+            "started": record.get("started"),
+            "ended": record.get("ended"),
+            "duration_seconds": _seconds(record.get("started"), record.get("ended")),
+            "tries": record.get("try_number"),
+        })
+    return rows
+
+
+def vm_usage(
+    *,
+    created: dict | None,
+    create_state: str | None,
+    deleted: dict | None,
+    delete_state: str | None,
+    hourly_price_usd: float | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The VM's lifetime, VM-hours and estimated cost.
+
+    The lifetime runs from create_vm's first start to delete_vm's end: it bounds the VM's real
+    life from above (the insert comes after the task starts, the deletion is confirmed before it
+    ends), so the cost is at most this. Without delete_vm's end it is counted up to `now`, still
+    an upper bound; unless delete_vm succeeded the VM may still be running. If create_vm never
+    started, no VM existed: no lifetime, cost 0.
+    """
+    usage: dict[str, Any] = {
+        "existed": False,
+        "started": None,
+        "ended": None,
+        "deleted": False,
+        "lifetime_seconds": None,
+        "vm_hours": 0.0,
+        "hourly_price_usd": hourly_price_usd,
+        "estimated_cost_usd": 0.0,
+    }
+    if created is None and create_state not in STARTED_STATES:
+        return usage  # the run ended before create_vm: no VM, nothing to pay
+    usage["existed"] = True
+    usage["deleted"] = delete_state == "success"
+    if created is None:  # it ran, but left no record (killed before its callback): unknown
+        usage.update(vm_hours=None, estimated_cost_usd=None)
+        return usage
+    usage["started"] = created["started"]
+    usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
+    seconds = _seconds(usage["started"], usage["ended"])
+    usage["lifetime_seconds"] = seconds
+    usage["vm_hours"] = round(seconds / 3600, 4)
+    usage["estimated_cost_usd"] = (
+        round(seconds / 3600 * hourly_price_usd, 2) if hourly_price_usd is not None else None
+    )
+    return usage
+
+
+def build_summary(
+    *,
+    dag_id: str,
+    run_id: str,
+    order: Sequence[str],
+    states: Mapping[str, str | None],
+    records: Mapping[str, dict | None],
+    spec: Mapping[str, Any] | None,
+    training: Mapping[str, Any] | None,
+    record: Mapping[str, Any] | None,
+    published: Mapping[str, Any] | None,
+    hourly_price_usd: float | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
+    from the spec, the training's result and the run record: nothing else of theirs can leak in."""
+    phases = phase_rows(order, states, records)
+    # A phase without times shows "-" (the scheduler's no-op vm_lease never runs anywhere); only
+    # what the VM's cost and the outputs depend on is worth a warning when it is missing.
+    warnings = []
+    for task_id in (CREATE_TASK, DELETE_TASK):
+        if states.get(task_id) in STARTED_STATES and not records.get(task_id):
+            warnings.append(f"{task_id} ran ({states[task_id]}) but left no phase record: the VM's lifetime is unknown")
+    not_succeeded = {row["task_id"]: row["state"] for row in phases if row["state"] != "success"}
+    vm = vm_usage(
+        created=records.get(CREATE_TASK),
+        create_state=states.get(CREATE_TASK),
+        deleted=records.get(DELETE_TASK),
+        delete_state=states.get(DELETE_TASK),
+        hourly_price_usd=hourly_price_usd,
+        now=now,
+    )
+    if vm["existed"] and not vm["deleted"]:
+        warnings.append(f"{DELETE_TASK} did not confirm the deletion: the VM may still exist (counted up to now)")
+    if states.get("collect_outputs") == "success" and not record:
+        warnings.append("collect_outputs succeeded but its run record was not found")
+    if states.get("wait_for_final_checkpoint") == "success" and not training:
+        warnings.append("wait_for_final_checkpoint succeeded but its final step and loss were not found")
+    outputs = None
+    if record:
+        outputs = {
+            key: record.get(key)
+            for key in ("run_record", "hf_export", "model_card", "checkpoints", "loss_curve", "base_checkpoint")
+        }
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_name": (spec or {}).get("run_name"),
+        "vm_name": (spec or {}).get("vm_name"),
+        "outcome": "success" if not not_succeeded else "failed",
+        "not_succeeded": not_succeeded,
+        "phases": phases,
+        "vm": vm,
+        "final_step": (training or {}).get("final_step"),
+        "final_loss": (training or {}).get("final_loss"),
+        "outputs": outputs,
+        "published": dict(published) if published else None,
+        "warnings": warnings,
+        "summarized_at": now.isoformat(),
+    }
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _clock(text: str) -> str:
+    """An ISO time as the log shows it: UTC, to the second."""
+    return f"{datetime.fromisoformat(text).astimezone(timezone.utc):%Y-%m-%d %H:%M:%S}"
+
+
+def render_text(summary: Mapping[str, Any]) -> str:
+    """The summary for the task log: one line per phase, then the VM, the training and the outputs."""
+    verdict = summary["outcome"]
+    if summary["not_succeeded"]:
+        named = [f"{t}={s}" for t, s in summary["not_succeeded"].items() if s not in NOT_RUN_STATES]
+        not_run = len(summary["not_succeeded"]) - len(named)
+        verdict += " (" + ", ".join(named + ([f"{not_run} did not run"] if not_run else [])) + ")"
+    lines = [f"Run summary of {summary['dag_id']} / {summary['run_id']}: {verdict}", "Phases (UTC):"]
+    width = max((len(row["task_id"]) for row in summary["phases"]), default=0)
+    for row in summary["phases"]:
+        tries = f"{row['tries']} tries" if (row["tries"] or 0) > 1 else ""
+        when = f"{_clock(row['started'])} -> {_clock(row['ended'])}" if row["started"] and row["ended"] else ""
+        lines.append(
+            f"  {row['task_id']:<{width}}  {str(row['state']):<15} {format_duration(row['duration_seconds']):>11}"
+            f"  {tries:<8}  {when}".rstrip()
+        )
+    vm = summary["vm"]
+    name = summary["vm_name"] or "the VM"
+    if not vm["existed"]:
+        lines.append(f"VM: none was created ({CREATE_TASK} did not run); estimated cost $0.00")
+    elif vm["lifetime_seconds"] is None:
+        lines.append(f"VM {name}: lifetime unknown ({CREATE_TASK} left no phase record); cost not estimated")
+    else:
+        span = (
+            f"at most: {CREATE_TASK}'s start to {DELETE_TASK}'s end" if vm["deleted"]
+            else f"so far: {CREATE_TASK}'s start to now, deletion not confirmed"
+        )
+        cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
+            f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
+        )
+        lines.append(
+            f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
+            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}"
+        )
+    if summary["final_step"] is None:
+        lines.append("Training: no final step or loss (the training did not finish)")
+    else:
+        lines.append(f"Training: final step {summary['final_step']}, final loss {summary['final_loss']}")
+    if summary["outputs"]:
+        lines.append("Outputs:")
+        lines += [f"  {key}: {value}" for key, value in summary["outputs"].items() if value]
+    else:
+        lines.append("Outputs: none recorded (collect_outputs did not succeed)")
+    if summary["published"]:
+        published = summary["published"]
+        lines.append(f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}")
+    lines += [f"Warning: {warning}" for warning in summary["warnings"]]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""summarize_run: the run summary at the end of every run, whatever its outcome (run_summary.py
+builds it from what the tasks left; phase_timing.py is how they leave their times)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from airflow.sdk import task
+from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.outputs import RUN_SUMMARY_NAME
+from maxtext_sft.phase_timing import PHASE_KEY
+from maxtext_sft.run_summary import build_summary, downstream_of, pipeline_order, render_text
+from maxtext_sft.spec import RunSpec
+
+# The pipeline's tasks whose XComs the summary reads (dags/maxtext_sft.py).
+SPEC_TASK, TRAINING_TASK, OUTPUTS_TASK, PUBLISH_TASK = (
+    "plan_run", "wait_for_final_checkpoint", "collect_outputs", "publish_to_hub"
+)
+
+
+def gather_summary(context) -> dict[str, Any]:
+    """The summary of this DAG run, from the task states and the XComs of every task before this one."""
+    ti, dag_run, dag = context["ti"], context["dag_run"], context["dag"]
+    upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
+    # This task and what waits for it (check_run_outcome) have not finished: not phases yet.
+    later = {ti.task_id} | downstream_of(upstream, ti.task_id)
+    order = [task_id for task_id in pipeline_order(upstream) if task_id not in later]
+    states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
+    spec = ti.xcom_pull(task_ids=SPEC_TASK, key="spec")
+    return build_summary(
+        dag_id=dag_run.dag_id,
+        run_id=dag_run.run_id,
+        order=order,
+        states=states,
+        records={task_id: ti.xcom_pull(task_ids=task_id, key=PHASE_KEY) for task_id in order},
+        spec=spec,
+        training=ti.xcom_pull(task_ids=TRAINING_TASK),
+        record=ti.xcom_pull(task_ids=OUTPUTS_TASK),
+        published=ti.xcom_pull(task_ids=PUBLISH_TASK),
+        # Without a spec plan_run failed: no VM existed, so no price is needed.
+        hourly_price_usd=spec.get("vm_hourly_price_usd") if spec else None,
+        now=datetime.now(timezone.utc),
+    )
+
+
+@task(retries=0, show_return_value_in_logs=False)  # the log gets the text instead
+def summarize_run(gcp_conn_id: str = "google_cloud_default", **context):
+    """Log the run summary (phases, VM lifetime and estimated cost, final step and loss, outputs),
+    return it (XCom), and with an output location write run-summary.json beside the run record.
+
+    Never fails: a summary is worth having even when parts of it are missing, and a teardown
+    that fails would only add noise to the run's outcome (check_run_outcome decides that).
+    """
+    log = context["task"].log
+    try:
+        summary = gather_summary(context)
+    except Exception:
+        log.warning("Could not gather the run summary", exc_info=True)
+        return None
+    spec = context["ti"].xcom_pull(task_ids=SPEC_TASK, key="spec")
+    if spec and spec.get("output_location"):
+        summary["run_summary"] = f"{RunSpec.from_dict(spec).run_output_dir}/{RUN_SUMMARY_NAME}"
+        try:
+            bucket, name = split_gcs_uri(summary["run_summary"])
+            StorageEndpointHook(gcp_conn_id=gcp_conn_id).upload(
+                bucket, name, data=json.dumps(summary, indent=1), mime_type="application/json"
+            )
+            log.info("Wrote the run summary to %s", summary["run_summary"])
+        except Exception as error:
+            log.warning("Could not write %s: %s", summary["run_summary"], error)
+            summary["run_summary"] = None
+    log.info("%s", render_text(summary))
+    for warning in summary["warnings"]:
+        log.warning("Run summary: %s", warning)
+    return summary

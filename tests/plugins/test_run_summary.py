@@ -1,0 +1,189 @@
+"""The run summary built from task states and phase records (pure functions, no Airflow)."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from maxtext_sft.run_summary import (
+    build_summary,
+    downstream_of,
+    format_duration,
+    pipeline_order,
+    render_text,
+    vm_usage,
+)
+
+T0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
+NOW = T0 + timedelta(hours=3)
+
+# The pipeline's graph as dags/maxtext_sft.py draws it (task -> its upstream tasks), in definition order.
+UPSTREAM = {
+    "plan_run": [],
+    "preflight": ["plan_run"],
+    "vm_lease": ["preflight"],
+    "create_vm": ["vm_lease", "plan_run"],
+    "wait_for_ssh": ["create_vm", "plan_run"],
+    "install_maxtext": ["wait_for_ssh"],
+    "convert_checkpoint": ["install_maxtext"],
+    "start_training": ["convert_checkpoint"],
+    "wait_for_final_checkpoint": ["start_training"],
+    "export_to_hf": ["wait_for_final_checkpoint"],
+    "collect_outputs": ["export_to_hf", "wait_for_final_checkpoint", "convert_checkpoint"],
+    "delete_vm": ["collect_outputs", "vm_lease", "plan_run"],
+    "publish_to_hub": ["collect_outputs"],
+    "summarize_run": ["delete_vm", "publish_to_hub"],
+    "check_run_outcome": ["summarize_run", "delete_vm", "publish_to_hub", "vm_lease"],
+}
+PHASES = [t for t in UPSTREAM if t not in ("summarize_run", "check_run_outcome")]
+
+
+def at(minutes: float) -> str:
+    return (T0 + timedelta(minutes=minutes)).isoformat()
+
+
+def phase(start: float, end: float, tries: int = 1, state: str = "success") -> dict:
+    return {"started": at(start), "ended": at(end), "try_number": tries, "state": state}
+
+
+def happy_records() -> dict:
+    return {
+        "plan_run": phase(0, 0.5),
+        "preflight": phase(0.5, 1),
+        "create_vm": phase(1, 4, tries=2),  # the first try's start: retries are in the phase
+        "wait_for_ssh": phase(4, 5),
+        "install_maxtext": phase(5, 6),
+        "convert_checkpoint": phase(6, 10),
+        "start_training": phase(10, 10.5),
+        "wait_for_final_checkpoint": phase(10.5, 70.5),  # every reschedule in between
+        "export_to_hf": phase(70.5, 80),
+        "collect_outputs": phase(80, 81),
+        "delete_vm": phase(81, 91),
+        "publish_to_hub": phase(81, 85),
+    }
+
+
+SPEC = {"run_name": "2026-11-30-10-00-00-abc-g0", "vm_name": "maxtext-sft-abc-g0",
+        "ssh_public_key": "ssh-ed25519 AAAA-CANARY", "vm_hourly_price_usd": 20.0}
+RECORD = {
+    "run_record": "gs://b/p/runs/R/run-record.json", "hf_export": "gs://b/p/runs/R/hf-export",
+    "model_card": "gs://b/p/runs/R/hf-export/README.md", "checkpoints": "gs://b/p/runs/R/checkpoints",
+    "loss_curve": "gs://b/p/runs/R/loss-curve.png", "base_checkpoint": "gs://b/p/base/0/items",
+    "loss_history": [[1, 2.0], [2, 1.5]], "unexpected": "CANARY",
+}
+
+
+TRAINING = {"final_step": 1000, "final_loss": "0.812"}
+
+
+def summary(states: dict, records: dict, *, price: float | None = 20.0, record=RECORD, training=TRAINING, spec=SPEC):
+    return build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states=states, records=records, spec=spec,
+        training=training, record=record, published=None, hourly_price_usd=price, now=NOW,
+    )
+
+
+def test_the_order_is_the_pipelines_and_what_waits_for_the_summary_is_left_out():
+    assert pipeline_order(UPSTREAM) == list(UPSTREAM)
+    assert pipeline_order({"b": ["a"], "a": []}) == ["a", "b"]
+    assert downstream_of(UPSTREAM, "summarize_run") == {"check_run_outcome"}
+    assert downstream_of(UPSTREAM, "collect_outputs") >= {"delete_vm", "publish_to_hub", "check_run_outcome"}
+
+
+def test_phases_keep_pipeline_order_with_durations_that_include_retries_and_reschedules():
+    training = {"final_step": 1000, "final_loss": "0.812", "final_checkpoint": "x"}
+    result = summary({t: "success" for t in PHASES}, happy_records(), training=training)
+    assert [row["task_id"] for row in result["phases"]] == PHASES
+    rows = {row["task_id"]: row for row in result["phases"]}
+    assert rows["create_vm"]["duration_seconds"] == 180 and rows["create_vm"]["tries"] == 2
+    assert rows["wait_for_final_checkpoint"]["duration_seconds"] == 3600
+    assert rows["vm_lease"] == {"task_id": "vm_lease", "state": "success", "started": None, "ended": None,
+                                "duration_seconds": None, "tries": None}  # the scheduler's no-op: never ran
+    assert result["outcome"] == "success" and result["not_succeeded"] == {}
+    assert (result["final_step"], result["final_loss"]) == (1000, "0.812")
+    assert result["outputs"]["loss_curve"] == "gs://b/p/runs/R/loss-curve.png"
+    assert result["outputs"]["run_record"] == "gs://b/p/runs/R/run-record.json"
+    assert result["warnings"] == []
+
+
+def test_vm_lifetime_runs_from_the_creates_start_to_the_deletes_end_and_costs_hours_times_price():
+    result = summary({t: "success" for t in PHASES}, happy_records(), price=36.0)
+    vm = result["vm"]
+    assert vm["existed"] and vm["deleted"]
+    assert (vm["started"], vm["ended"]) == (at(1), at(91))
+    assert vm["lifetime_seconds"] == 90 * 60
+    assert vm["vm_hours"] == 1.5
+    assert vm["estimated_cost_usd"] == 54.0
+    assert vm["hourly_price_usd"] == 36.0
+
+
+def test_a_run_that_failed_before_the_vm_existed_has_no_lifetime_and_costs_nothing():
+    states = {t: "upstream_failed" for t in PHASES} | {"plan_run": "success", "preflight": "failed"}
+    records = {"plan_run": phase(0, 0.5), "preflight": phase(0.5, 1, state="failed")}
+    result = summary(states, records, record=None, training=None)
+    vm = result["vm"]
+    assert vm["existed"] is False
+    assert vm["lifetime_seconds"] is None and vm["vm_hours"] == 0 and vm["estimated_cost_usd"] == 0
+    assert result["outcome"] == "failed" and result["not_succeeded"]["preflight"] == "failed"
+    assert result["outputs"] is None
+    assert result["warnings"] == []
+    text = render_text(result)
+    assert "VM: none was created" in text and "$0.00" in text
+    assert text.splitlines()[0].endswith("failed (preflight=failed, 11 did not run)")
+    # Even plan_run failing leaves no spec, no price: still no cost.
+    no_spec = summary({"plan_run": "failed"}, {"plan_run": phase(0, 0.2, state="failed")}, price=None, spec=None,
+                      record=None)
+    assert no_spec["vm"]["estimated_cost_usd"] == 0 and no_spec["run_name"] is None
+
+
+def test_a_delete_that_did_not_succeed_counts_the_vm_up_to_now_and_warns():
+    records = happy_records() | {"delete_vm": phase(81, 95, tries=6, state="failed")}
+    states = {t: "success" for t in PHASES} | {"delete_vm": "failed"}
+    vm = summary(states, records)["vm"]
+    assert vm["deleted"] is False and vm["ended"] == NOW.isoformat()
+    assert vm["lifetime_seconds"] == (NOW - T0).total_seconds() - 60
+    assert vm["estimated_cost_usd"] == round(vm["lifetime_seconds"] / 3600 * 20, 2)
+    result = summary(states, records)
+    assert any("may still exist" in warning for warning in result["warnings"])
+    assert "so far: create_vm's start to now, deletion not confirmed" in render_text(result)
+
+
+def test_a_create_that_ran_without_a_phase_record_leaves_the_cost_unknown_not_zero():
+    records = {k: v for k, v in happy_records().items() if k != "create_vm"}
+    result = summary({t: "success" for t in PHASES} | {"create_vm": "failed"}, records)
+    assert result["vm"]["existed"] and result["vm"]["estimated_cost_usd"] is None
+    assert result["warnings"] == ["create_vm ran (failed) but left no phase record: the VM's lifetime is unknown"]
+    assert "lifetime unknown" in render_text(result)
+
+
+def test_only_named_fields_reach_the_summary():
+    result = summary({t: "success" for t in PHASES}, happy_records(), training={"final_step": 3, "secret": "CANARY"})
+    assert "CANARY" not in json.dumps(result) and "CANARY" not in render_text(result)
+    assert "loss_history" not in json.dumps(result)  # the record's history stays in the record
+
+
+def test_the_text_has_a_line_per_phase_the_vm_training_and_outputs():
+    text = render_text(summary({t: "success" for t in PHASES}, happy_records()))
+    assert text.splitlines()[0] == "Run summary of maxtext_sft / manual__r: success"
+    assert re.search(r"create_vm +success +3m 00s  2 tries   2026-11-30 10:01:00 -> 2026-11-30 10:04:00", text)
+    assert "wait_for_final_checkpoint" in text and "1h 00m 00s" in text
+    assert "lifetime 1h 30m 00s (at most: create_vm's start to delete_vm's end), 1.500 VM-hours" in text
+    assert "estimated cost $30.00 at $20.00/hour" in text
+    assert "final step 1000, final loss 0.812" in text
+    assert "loss_curve: gs://b/p/runs/R/loss-curve.png" in text
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (None, "-"), (0.25, "0.2s"), (42, "42s"), (61, "1m 01s"), (3 * 3600 + 5, "3h 00m 05s"),
+])
+def test_durations_read_as_hours_minutes_seconds(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_vm_usage_without_a_price_says_so():
+    usage = vm_usage(created=phase(0, 1), create_state="success", deleted=phase(60, 120), delete_state="success",
+                     hourly_price_usd=None, now=NOW)
+    assert usage["vm_hours"] == 2.0 and usage["estimated_cost_usd"] is None
