@@ -11,6 +11,7 @@ and Param defaults, so every DAG runs the same steps:
   4. run SFT (detached; a sensor waits for the final checkpoint)
   5. convert the result back to Hugging Face format; keep it (output_location, or the worker)
   6. delete the VM, whatever happened before; publish to the Hub if asked
+  7. summarize the run (durations, VM-hours and cost, loss), whatever happened
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome, record_failure
+from maxtext_sft.phase_timing import note_phase_start, record_phase
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.preflight import run_preflight
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.summarize import summarize_run
 
 GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
 SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
@@ -74,7 +77,11 @@ def fine_tune_dag(
             "retries": 2,
             "retry_delay": retry_delay(),
             "owner": owner,
-            "on_failure_callback": record_failure,  # check_run_outcome names the cause
+            # Each task's first start, end and tries, for the run summary (maxtext_sft.phase_timing);
+            # a failed task's error, for check_run_outcome to name the cause.
+            "on_execute_callback": note_phase_start,
+            "on_success_callback": record_phase,
+            "on_failure_callback": [record_failure, record_phase],
         },
         doc_md=doc_md or __doc__,
     ) as dag:
@@ -105,7 +112,8 @@ def _add_fine_tune_tasks() -> None:
 
     # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
     # run even when the create fails after the API accepted it, or a user marks the run failed.
-    vm_lease = EmptyOperator(task_id="vm_lease")
+    # (No callbacks: an EmptyOperator with callbacks is sent to a worker instead of being marked done.)
+    vm_lease = EmptyOperator(task_id="vm_lease", on_execute_callback=None, on_success_callback=None)
 
     # 1. Create the VM.
     create_vm = CreateVmOperator(
@@ -191,8 +199,14 @@ def _add_fine_tune_tasks() -> None:
     )
     collect_outputs >> publish_to_hub
 
+    # The run summary (phases, VM lifetime and cost, final loss, outputs), whatever happened: a
+    # teardown without setups, so that it runs also when the run failed before the VM existed.
+    summary = summarize_run(gcp_conn_id=GCP_CONN_ID).as_teardown()
+
     # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise
     # decide it. This last teardown runs in every outcome (so also when a user marks the run
     # failed, which skips the tasks that had not run) and fails the run unless every task
     # succeeded, the delete included.
-    [delete_vm, publish_to_hub] >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    outcome = check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    [delete_vm, publish_to_hub] >> summary >> outcome
+    [delete_vm, publish_to_hub] >> outcome

@@ -25,6 +25,7 @@ TASK_ORDER = [
     "export_to_hf",
     "collect_outputs",
     "delete_vm",
+    "summarize_run",
     "check_run_outcome",
 ]
 
@@ -41,8 +42,8 @@ def dag():
 @pytest.mark.parametrize(
     ("dag_file", "tasks"),
     [
-        ("maxtext_sft.py", 14),
-        ("job_ultrachat_gemma3_nightly.py", 14),
+        ("maxtext_sft.py", 15),
+        ("job_ultrachat_gemma3_nightly.py", 15),
         ("maxtext_sft_janitor.py", 1),
         ("maxtext_sft_sample_generations.py", 1),
     ],
@@ -108,7 +109,7 @@ def test_tags_retries_and_waiting_modes(dag):
     assert set(dag.tags) >= {"maxtext", "sft", "tpu"}
     assert dag.schedule is None or str(dag.timetable.summary) in ("None",)
     for task in dag.tasks:
-        if task.task_id in ("vm_lease", "check_run_outcome"):
+        if task.task_id in ("vm_lease", "summarize_run", "check_run_outcome"):
             continue
         assert task.retries >= 1, task.task_id  # plan_run too: the Hub may be briefly unwell
     assert dag.get_task("wait_for_final_checkpoint").mode == "reschedule"

@@ -48,6 +48,20 @@ def test_every_task_succeeds_and_the_vm_is_gone(happy_run, local_cloud):
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 30
 
 
+def test_the_run_summary_times_every_phase_and_prices_the_vm(happy_run):
+    run, _ = happy_run
+    summary = run.xcoms["summarize_run.return_value"]
+    assert summary["outcome"] == "success" and summary["warnings"] == []
+    phases = {row["task_id"]: row for row in summary["phases"]}
+    assert set(phases) == set(run.task_states) - {"summarize_run", "check_run_outcome"}
+    assert all(row["duration_seconds"] > 0 for task_id, row in phases.items() if task_id != "vm_lease")
+    vm = summary["vm"]
+    assert vm["existed"] and vm["deleted"] and vm["hourly_price_usd"] == 20.0
+    assert vm["started"] == phases["create_vm"]["started"] and vm["ended"] == phases["delete_vm"]["ended"]
+    assert vm["estimated_cost_usd"] == round(vm["lifetime_seconds"] / 3600 * 20.0, 2)
+    assert (summary["final_step"], summary["outputs"]["hf_export"]) == (30, run.xcoms["collect_outputs.return_value"]["hf_export"])
+
+
 def test_the_same_vm_was_inserted_then_deleted(happy_run):
     run, requests = happy_run
     inserts = [r for r in requests if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")]
@@ -65,7 +79,7 @@ def test_no_ssh_keys_pile_up_and_no_step_output_goes_to_xcom(happy_run, hf_token
     assert not [r for r in requests if "setMetadata" in r["path"]]
     # Step output stays in the task logs; only the paths the steps report reach XCom.
     step_tasks = {"install_maxtext", "start_training", "wait_for_ssh"}
-    assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks]
+    assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks and not key.endswith(".phase")]
     assert set(run.xcoms["convert_checkpoint.return_value"]) == {"base_checkpoint"}
     assert set(run.xcoms["export_to_hf.return_value"]) == {"hf_export"}
     training = run.xcoms["wait_for_final_checkpoint.return_value"]
