@@ -7,8 +7,9 @@ Cloud Storage emulator, a Hugging Face Hub), then Airflow's components as separa
 (api-server, scheduler, dag-processor, triggerer; SQLite; `localcloud.airflow_harness`) with
 connections pointing at it, triggers one run of the
 `maxtext_sft` DAG through the REST API with outputs to the local bucket and publishing to the
-local Hub, waits for it, and prints the outcome, each task's duration, the VM's lifecycle and
-where the outputs went. Everything it
+local Hub, waits for it, and prints the outcome, each task's duration, the VM's lifecycle,
+where the outputs went and the run summary; with the real MaxText it then waits for the
+downstream sample-generations run the new model started and prints its samples. Everything it
 started is stopped at the end (process groups), and a new run starts from a clean state.
 Exit code 0 only when the run succeeded and no VM is left.
 """
@@ -40,6 +41,7 @@ from localcloud.images import TUTORIAL_IMAGE, build_fast_image, build_real_image
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "run"
 DAG_ID = "maxtext_sft"
+SAMPLES_DAG_ID = "maxtext_sft_sample_generations"  # scheduled on the tuned-model Asset
 
 
 def parse_time(text: str | None) -> datetime | None:
@@ -77,7 +79,35 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
     if published:
         print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "
               f"commit {published['commit']}")
+    summary = airflow.xcom(run_id, "summarize_run")
+    if summary:
+        vm = summary["vm"]
+        print("\nRun summary (summarize_run; run-summary.json beside the run record):")
+        print(f"  VM lifetime {vm['lifetime_seconds']} s, {vm['vm_hours']} VM-hours, "
+              f"estimated ${vm['estimated_cost_usd']} at ${vm['hourly_price_usd']}/h")
+        print(f"  final step {summary['final_step']}, loss {summary['final_loss']}; warnings: {summary['warnings']}")
     return run["state"] == "success" and not left
+
+
+def report_samples(airflow: Airflow, timeout: float) -> bool:
+    """The downstream DAG the tuned-model Asset event started: its samples, once it has ended."""
+    deadline = time.monotonic() + timeout
+    path = f"/api/v2/dags/{SAMPLES_DAG_ID}/dagRuns"
+    while time.monotonic() < deadline:
+        runs = [r for r in airflow.get(path)["dag_runs"] if r["state"] in ("success", "failed")]
+        if runs:
+            break
+        time.sleep(2)
+    else:
+        print(f"\n{SAMPLES_DAG_ID}: no run ended within {timeout:.0f} s")
+        return False
+    run = runs[0]
+    print(f"\n{SAMPLES_DAG_ID} ({run['run_type']}): {run['state'].upper()}")
+    for model in airflow.xcom(run["dag_run_id"], "generate_samples", dag_id=SAMPLES_DAG_ID) or []:
+        print(f"  model {model['model']}")
+        for sample in model["samples"]:
+            print(f"    {sample['prompt']!r} -> {sample['completion']!r}")
+    return run["state"] == "success"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_token = new_hf_token()
         prepare_local_cloud(cloud, hf_token)
         env = {**os.environ, **airflow_connection_env(cloud, generate_ssh_private_key(), hf_token)}
+        if args.maxtext == "real":  # the sample DAG generates in the image's venv (torch is there)
+            env["AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON"] = str(real_image / "maxtext_venv" / "bin" / "python3")
         print(f"Compute Engine emulator: {cloud.compute_endpoint}", flush=True)
         print(f"Cloud Storage emulator: {cloud.storage_endpoint}; Hugging Face Hub: {cloud.hub.endpoint}", flush=True)
         airflow = Airflow(STATE / "airflow-home", env, dag_id=DAG_ID)
@@ -130,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {time.monotonic() - started:6.0f} s  {', '.join(running) or '...'}", flush=True)
                 last = running
         ok = report(airflow, run, cloud, started)
+        if ok and args.maxtext == "real":  # the stand-in's export is not a model transformers loads
+            ok = report_samples(airflow, timeout=600)
         print(f"\nTask logs: {airflow.home / 'logs'}")
         return 0 if ok else 1
     finally:
