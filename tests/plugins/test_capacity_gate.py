@@ -244,3 +244,21 @@ def test_only_a_full_reservation_is_a_refusal_for_capacity():
     assert not refused_for_capacity(
         ServiceUnavailable("ZONE_RESOURCE_POOL_EXHAUSTED: The zone 'projects/p/zones/z' does not have enough resources")
     )
+
+
+def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud, compute):
+    """A full reservation fails the preflight unless create_vm's gate will wait for a machine."""
+    from maxtext_sft.preflight import PreflightFailed, check_reservation
+
+    reservation, spec_for = names
+    add_reservation(local_cloud, reservation)
+    create(compute, spec_for(reservation))
+    ours = spec_for(reservation)
+
+    found = check_reservation(compute, ours, capacity_gate=True)
+    assert "all 1 ct6e-standard-8t machines in use; create_vm waits up to 720 minutes for one" in found
+    with pytest.raises(PreflightFailed, match="has no free capacity: 1 of 1 machines in use"):
+        check_reservation(compute, ours)
+    no_wait = RunSpec.from_dict({**ours.to_dict(), "max_capacity_wait_minutes": 0})
+    with pytest.raises(PreflightFailed, match="has no free capacity"):
+        check_reservation(compute, no_wait, capacity_gate=True)
