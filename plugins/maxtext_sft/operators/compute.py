@@ -96,6 +96,11 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     machine is free. The wait is bounded by `max_capacity_wait_minutes` from the first deferral
     (the deadline travels with every deferral, so refused inserts do not extend it); then the
     task fails without retries. An existing instance is adopted before any gate.
+
+    `capacity_poll_seconds` is how often the trigger reads the reservation, the first read included.
+    Keep it well above the time the executor takes to report a deferred try's exit: Airflow 3.3
+    fails a resumed try that is already running when that report arrives (apache/airflow#72716;
+    the retry then adopts the VM).
     """
 
     template_fields: Sequence[str] = (
