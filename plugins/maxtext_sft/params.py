@@ -190,6 +190,12 @@ def pipeline_params() -> dict[str, Param]:
             "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
             "output_location (0: never; the run fails).", TIMING,
         ),
+        "max_capacity_wait_minutes": _param(
+            "max_capacity_wait_minutes", "integer",
+            "How long create_vm waits, deferred (no worker slot), for a free machine in the reservation, "
+            "which every run and VM using it shares; then the run fails. 0: fail at once when it is full.",
+            TIMING,
+        ),
         "max_run_duration_minutes": _param(
             "max_run_duration_minutes",
             ["null", "integer"],

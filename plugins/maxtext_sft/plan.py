@@ -49,6 +49,9 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
         "request_id": spec.request_id,
         "instance_body": spec.instance_body(),
         "lifetime_minutes": spec.max_run_duration_minutes,
+        # create_vm's capacity gate
+        "reservation": spec.reservation,
+        "max_capacity_wait_minutes": spec.max_capacity_wait_minutes,
     }
 
 

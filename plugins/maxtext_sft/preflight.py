@@ -83,7 +83,9 @@ def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, toke
         raise PreflightFailed(f"{kind} {repo} does not exist on the Hub, or {token} cannot see it") from None
 
 
-def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec) -> str:
+def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capacity_gate: bool = False) -> str:
+    """The reservation exists and holds the run's machine type; with no machine free it fails,
+    unless `capacity_gate` (create_vm waits for one, up to max_capacity_wait_minutes)."""
     reservation = compute.get_reservation(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
     where = f"reservation {spec.reservation} in {spec.project_id}/{spec.zone}"
     if reservation is None:
@@ -93,6 +95,11 @@ def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec) -> str:
     if machine_type != spec.machine_type:
         raise PreflightFailed(f"{where} holds {machine_type or 'no'} machines, not {spec.machine_type}")
     count, in_use = int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+    if in_use >= count and capacity_gate and spec.max_capacity_wait_minutes > 0:
+        return (
+            f"{where}: all {count} {machine_type} machines in use; create_vm waits up to "
+            f"{spec.max_capacity_wait_minutes} minutes for one"
+        )
     if in_use >= count:
         raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use")
     return f"{where}: {count - in_use} of {count} {machine_type} free"
@@ -111,13 +118,23 @@ def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
     return f"output_location {spec.output_location} is writable"
 
 
-def run_preflight(spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any) -> list[str]:
-    """Run every check; fail (without retries) naming every failure, or return what was found."""
+def run_preflight(
+    spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any, capacity_gate: bool = False
+) -> list[str]:
+    """Run every check; fail (without retries) naming every failure, or return what was found.
+
+    `capacity_gate`: create_vm waits for a free machine, so a full reservation is not a failure.
+    """
     api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
     checks = [
         ("Hugging Face token", lambda: check_hub_access(api, spec)),
         ("dataset", lambda: check_dataset(api, spec)),
-        ("reservation", lambda: check_reservation(ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        (
+            "reservation",
+            lambda: check_reservation(
+                ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec, capacity_gate=capacity_gate
+            ),
+        ),
         ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
     ]
     found, failures = [], []

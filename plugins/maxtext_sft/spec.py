@@ -66,6 +66,7 @@ TUTORIAL_DEFAULTS: dict[str, Any] = {
     "stall_timeout_seconds": 3600,  # no new training step for this long: the run fails
     "checkpoint_period": 10000,  # MaxText's default: a fresh run saves step 1 and the last step only
     "max_vm_recoveries": 2,  # how often a VM lost mid-training is recreated to resume
+    "max_capacity_wait_minutes": 720,  # how long create_vm waits for a free machine in the reservation
     "max_run_duration_minutes": None,  # None: every step's time limit added up, plus a margin
     "cloud_enforced_lifetime": True,  # the VM's scheduling.maxRunDuration (Compute Engine deletes it)
 }
@@ -89,6 +90,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "stall_timeout_seconds": (10, 7 * 24 * 3600),
     "checkpoint_period": (1, 10_000_000),
     "max_vm_recoveries": (0, 10),
+    "max_capacity_wait_minutes": (0, 7 * 24 * 60),  # 0: fail at once when the reservation is full
     "max_run_duration_minutes": (1, MAX_RUN_DURATION_LIMITS_SECONDS[1] // 60),
 }
 
@@ -226,6 +228,7 @@ class RunSpec:
     stall_timeout_seconds: int
     checkpoint_period: int
     max_vm_recoveries: int
+    max_capacity_wait_minutes: int  # create_vm's bound on waiting for a free machine in the reservation
     max_run_duration_minutes: int  # the VM's lifetime: its expiry label, and maxRunDuration if enforced
     cloud_enforced_lifetime: bool
 
@@ -675,6 +678,7 @@ def build_run_spec(
         stall_timeout_seconds=_int_in(p, "stall_timeout_seconds"),
         checkpoint_period=_int_in(p, "checkpoint_period"),
         max_vm_recoveries=_int_in(p, "max_vm_recoveries"),
+        max_capacity_wait_minutes=_int_in(p, "max_capacity_wait_minutes"),
         max_run_duration_minutes=_lifetime_minutes(p),
         cloud_enforced_lifetime=_bool(p, "cloud_enforced_lifetime"),
     )

@@ -94,6 +94,17 @@ def test_recovery_params_are_bounded(name, value):
         make_spec(**{name: value})
 
 
+@pytest.mark.parametrize("value", [-1, 7 * 24 * 60 + 1, 1.5, True, "60"])
+def test_the_capacity_wait_is_whole_minutes_up_to_a_week(value):
+    with pytest.raises(SpecError, match="max_capacity_wait_minutes"):
+        make_spec(max_capacity_wait_minutes=value)
+
+
+def test_the_capacity_wait_defaults_to_twelve_hours_and_may_be_zero():
+    assert make_spec().max_capacity_wait_minutes == 720
+    assert make_spec(max_capacity_wait_minutes=0).max_capacity_wait_minutes == 0  # full: fail at once
+
+
 @pytest.mark.parametrize("step", sorted(OWNED_KEYS))
 def test_extra_args_cannot_override_what_the_pipeline_owns(step):
     for key in sorted(OWNED_KEYS[step]):

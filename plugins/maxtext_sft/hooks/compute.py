@@ -88,6 +88,18 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
         """The reservation resource (REST JSON), or None if the zone has none of that name."""
         return self._unless_missing(self.get_conn().reservations().get(project=project_id, zone=zone, reservation=name))
 
+    def reservation_capacity(self, name: str, zone: str, project_id: str) -> tuple[int, int] | None:
+        """(count, inUseCount) of a specific reservation, or None if the zone has none of that name.
+
+        inUseCount counts every VM consuming it, whichever DAG, run or person created it.
+        """
+        reservation = self.get_reservation(name=name, zone=zone, project_id=project_id)
+        if reservation is None:
+            return None
+        specific = reservation.get("specificReservation") or {}
+        # int64 fields arrive as JSON strings.
+        return int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+
     def _unless_missing(self, request) -> dict | None:
         """Execute a discovery-client request; None when the API answers 404."""
         try:

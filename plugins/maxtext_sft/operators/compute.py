@@ -1,8 +1,9 @@
 """The provider's Compute Engine insert and delete operators, on the endpoint-aware hook.
 
 Each `execute` keeps the provider's flow; what changes is the hook (so the connection can name a
-private API endpoint) and, for delete, the outcome the teardown needs: an instance that is
-already gone is success, and success means it is really gone.
+private API endpoint), for create a capacity gate in front of the insert (see CreateVmOperator),
+and for delete the outcome the teardown needs: an instance that is already gone is success, and
+success means it is really gone.
 """
 
 from __future__ import annotations
@@ -10,17 +11,23 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from typing import NoReturn
 
-from google.api_core.exceptions import NotFound
+from google.api_core.exceptions import GoogleAPICallError, NotFound
 from google.cloud.compute_v1.types import Instance
 
 from airflow.providers.google.cloud.operators.compute import (
     ComputeEngineDeleteInstanceOperator,
     ComputeEngineInsertInstanceOperator,
 )
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import EXPIRY_LABEL  # the epoch second after which the VM has outlived its lifetime
+from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
+
+# How Compute Engine words an insert into a full specific reservation ("Reservation NAME does not
+# have sufficient capacity for the requested resources.").
+RESERVATION_FULL = "does not have sufficient capacity"
 
 
 def _hook(operator) -> ComputeEngineEndpointHook:
@@ -64,27 +71,85 @@ def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Ins
     return None
 
 
+def refused_for_capacity(error: BaseException) -> bool:
+    """Whether the cloud refused an insert because its reservation is full: the API answers 400
+    with the reservation's message.
+
+    ZONE_RESOURCE_POOL_EXHAUSTED (503) does not count: it is about the zone's hardware, not the
+    reservation's count, which is what the gate reads, so the gate would not wait for it and the
+    insert would be refused again at once; the task's retries (exponential backoff) handle it.
+    """
+    return isinstance(error, GoogleAPICallError) and error.code == 400 and RESERVATION_FULL in str(error.message)
+
+
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     """Create the instance unless it exists: a retry adopts the VM this run already asked for.
 
     An instance left by a create that failed after the API accepted it (TERMINATED, say) is not
     adopted: it is deleted and created again. The insert's request id is made per try: the API
     answers a repeated request id with the first request's operation, failed ones included.
+
+    Capacity gate (with `reservation`): no more VMs at once than the reservation holds, across
+    every DAG and person using it. Before inserting, the reservation's count minus inUseCount is
+    read; with none free, or when the cloud refuses the insert for capacity (a race with another
+    run), the task defers to ReservationCapacityTrigger (no worker slot) and inserts when a
+    machine is free. The wait is bounded by `max_capacity_wait_minutes` from the first deferral
+    (the deadline travels with every deferral, so refused inserts do not extend it); then the
+    task fails without retries. An existing instance is adopted before any gate.
+
+    `capacity_poll_seconds` is how often the trigger reads the reservation, the first read included.
+    Keep it well above the time the executor takes to report a deferred try's exit: Airflow 3.3
+    fails a resumed try that is already running when that report arrives (apache/airflow#72716;
+    the retry then adopts the VM).
     """
 
-    template_fields: Sequence[str] = (*ComputeEngineInsertInstanceOperator.template_fields, "lifetime_minutes")
+    template_fields: Sequence[str] = (
+        *ComputeEngineInsertInstanceOperator.template_fields,
+        "lifetime_minutes",
+        "reservation",
+        "max_capacity_wait_minutes",
+    )
 
-    def __init__(self, *, lifetime_minutes=None, **kwargs):
+    def __init__(
+        self,
+        *,
+        lifetime_minutes=None,
+        reservation: str | None = None,
+        max_capacity_wait_minutes: float | str = 720,
+        capacity_poll_seconds: float = 60,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.lifetime_minutes = lifetime_minutes
+        self.reservation = reservation
+        self.max_capacity_wait_minutes = max_capacity_wait_minutes
+        self.capacity_poll_seconds = capacity_poll_seconds
 
     def execute(self, context) -> dict:
+        return self._create(context, deadline=None, insert_key="")
+
+    def resume_after_capacity_wait(self, context, event: dict, deadline: float | None = None) -> dict:
+        # dag.test() in this Airflow drops defer()'s kwargs when the trigger fires
+        # (apache/airflow#69942); the trigger's event carries the same deadline.
+        deadline = event["deadline"] if deadline is None else deadline
+        if event["status"] == "timeout":
+            raise AirflowFailException(self._gave_up(event["count"], deadline))
+        if event["status"] != "free":
+            raise AirflowException(f"Waiting for capacity in reservation {self.reservation} failed: {event['message']}")
+        self.log.info("Reservation %s has %d of %d machines free", self.reservation, event["free"], event["count"])
+        # A new request id for each insert after a wait: the API may answer a request id it has
+        # seen with that request's outcome, here a refusal. The event's read time makes it unique.
+        return self._create(context, deadline=deadline, insert_key=f"/{event['checked_at']}")
+
+    def _create(self, context, *, deadline: float | None, insert_key: str) -> dict:
+        # The expiry label counts from this insert, however long the run waited for capacity.
         if self.lifetime_minutes:
             self.body = with_expiry_label(self.body, int(self.lifetime_minutes))
         if "name" in self.body:
             self.resource_id = self.body["name"]
         if self.request_id:
-            self.request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.request_id}/{context['ti'].try_number}"))
+            try_number = context["ti"].try_number
+            self.request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.request_id}/{try_number}{insert_key}"))
         self._validate_inputs()
         self._validate_all_body_fields()
         self.check_body_fields()
@@ -93,7 +158,58 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         existing = adoptable_instance(hook, where, self.log)
         if existing is not None:
             return Instance.to_dict(existing)
-        return self._create_instance(hook, context)
+        if not self.reservation:
+            return self._create_instance(hook, context)
+        capacity = hook.reservation_capacity(name=self.reservation, zone=self.zone, project_id=self.project_id)
+        if capacity is None:
+            raise AirflowFailException(
+                f"Reservation {self.reservation} does not exist in {self.project_id}/{self.zone}: no VM was created"
+            )
+        count, in_use = capacity
+        if in_use >= count:
+            self.log.info("Reservation %s: %d of %d machines in use", self.reservation, in_use, count)
+            self._wait_for_capacity(deadline, count)
+        try:
+            return self._create_instance(hook, context)
+        except Exception as error:
+            if not refused_for_capacity(error):
+                raise
+            self.log.warning("The cloud refused the insert for lack of capacity: %s", error)
+            self._wait_for_capacity(deadline, count)
+
+    def _wait_for_capacity(self, deadline: float | None, count: int) -> NoReturn:
+        """Defer until the reservation has a machine free; fail once the deadline has passed."""
+        if deadline is None:
+            deadline = time.time() + float(self.max_capacity_wait_minutes) * 60
+        if time.time() >= deadline:
+            raise AirflowFailException(self._gave_up(count, deadline))
+        self.log.info(
+            "Waiting (deferred, no worker slot) for a free machine in reservation %s until %s",
+            self.reservation,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
+        )
+        self.defer(
+            trigger=ReservationCapacityTrigger(
+                project_id=self.project_id,
+                zone=self.zone,
+                reservation=self.reservation,
+                deadline=deadline,
+                gcp_conn_id=self.gcp_conn_id,
+                poll_interval=self.capacity_poll_seconds,
+                impersonation_chain=self.impersonation_chain,
+            ),
+            method_name="resume_after_capacity_wait",
+            kwargs={"deadline": deadline},
+        )
+
+    def _gave_up(self, count: int, deadline: float) -> str:
+        limit = float(self.max_capacity_wait_minutes)
+        waited = max(0.0, time.time() - (deadline - limit * 60))
+        how_long = f"{waited / 60:.0f} minutes" if waited >= 60 else f"{waited:.0f} seconds"
+        return (
+            f"Gave up waiting for a machine: no free capacity in reservation {self.reservation} "
+            f"(count {count}) for {how_long} (max_capacity_wait_minutes={limit:g}); no VM was created"
+        )
 
 
 class DeleteVmOperator(ComputeEngineDeleteInstanceOperator):

@@ -1,0 +1,1 @@
+"""Triggers the pipeline's deferrable operators wait on (run by Airflow's triggerer)."""

@@ -1,0 +1,113 @@
+"""Wait, on the triggerer, until a reservation has a machine free.
+
+Events (one, then the trigger ends):
+  {"status": "free", "free": N, "count": C, "checked_at": T, "deadline": D}
+  {"status": "timeout", "count": C, "in_use": U, "deadline": D}   nothing freed up before D
+  {"status": "error", "message": ..., "deadline": D}              e.g. the reservation is gone
+Every event carries the deadline, so the operator it resumes needs nothing else to go on waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+
+
+def epoch_seconds(moment: float | int | str | datetime) -> float:
+    """A deadline given as epoch seconds, an ISO 8601 string or an aware datetime, as epoch seconds."""
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    if isinstance(moment, datetime):
+        if moment.tzinfo is None:
+            raise ValueError(f"deadline {moment.isoformat()} has no time zone")
+        return moment.timestamp()
+    return float(moment)
+
+
+class ReservationCapacityTrigger(BaseTrigger):
+    """Poll reservations.get until `count - inUseCount >= 1`, or until `deadline`.
+
+    It is deferred to right after someone found the reservation full (the operator's own read,
+    or the cloud refusing an insert), so it sleeps `poll_interval` before each read, the first
+    included: an immediate re-read would only say "full" again, or, if the reservation's count
+    lags behind the insert that was refused, send the operator back to an insert that is refused
+    again without pause.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        zone: str,
+        reservation: str,
+        deadline: float | int | str | datetime,
+        gcp_conn_id: str = "google_cloud_default",
+        poll_interval: float = 60,
+        impersonation_chain: str | Sequence[str] | None = None,
+    ):
+        super().__init__()
+        self.project_id = project_id
+        self.zone = zone
+        self.reservation = reservation
+        self.deadline = epoch_seconds(deadline)
+        self.gcp_conn_id = gcp_conn_id
+        self.poll_interval = float(poll_interval)
+        self.impersonation_chain = impersonation_chain
+        self._hook: ComputeEngineEndpointHook | None = None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "project_id": self.project_id,
+                "zone": self.zone,
+                "reservation": self.reservation,
+                "deadline": self.deadline,
+                "gcp_conn_id": self.gcp_conn_id,
+                "poll_interval": self.poll_interval,
+                "impersonation_chain": self.impersonation_chain,
+            },
+        )
+
+    def _read(self) -> tuple[int, int] | None:
+        """(count, inUseCount); blocking (the Google clients are synchronous), so run in a thread."""
+        if self._hook is None:
+            self._hook = ComputeEngineEndpointHook(
+                gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain
+            )
+        return self._hook.reservation_capacity(name=self.reservation, zone=self.zone, project_id=self.project_id)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        where = f"reservation {self.reservation} in {self.project_id}/{self.zone}"
+        while True:
+            # Read at least once, and last at the deadline: a timeout event always has a count.
+            await asyncio.sleep(max(0.0, min(self.poll_interval, self.deadline - time.time())))
+            try:
+                capacity = await asyncio.to_thread(self._read)
+            except Exception as error:  # noqa: BLE001 - reported to the operator, which fails the try
+                yield TriggerEvent({"status": "error", "message": f"reading {where}: {error}", "deadline": self.deadline})
+                return
+            if capacity is None:
+                yield TriggerEvent({"status": "error", "message": f"{where} does not exist", "deadline": self.deadline})
+                return
+            count, in_use = capacity
+            if count - in_use >= 1:
+                yield TriggerEvent(
+                    {
+                        "status": "free",
+                        "free": count - in_use,
+                        "count": count,
+                        "checked_at": time.time(),
+                        "deadline": self.deadline,
+                    }
+                )
+                return
+            if time.time() >= self.deadline:
+                yield TriggerEvent({"status": "timeout", "count": count, "in_use": in_use, "deadline": self.deadline})
+                return
+            self.log.info("%s: %d of %d machines in use; waiting for one to be free", where, in_use, count)

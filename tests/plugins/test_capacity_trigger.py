@@ -1,0 +1,112 @@
+"""ReservationCapacityTrigger against the compute emulator: it fires when a machine is given back,
+times out at its deadline, reports a missing reservation, and survives serialization."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+
+from localcloud.compute import testing
+from localcloud.connections import LOCAL_PROJECT, LOCAL_ZONE
+from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
+
+pytestmark = pytest.mark.e2e
+WHERE = {"project": LOCAL_PROJECT, "zone": LOCAL_ZONE}
+
+
+@pytest.fixture
+def full_reservation(local_cloud, pipeline_connections):
+    """A reservation of one machine, taken by a running VM; returns (reservation, VM name)."""
+    suffix = uuid.uuid4().hex[:8]
+    reservation, holder = f"trigger-full-{suffix}", f"trigger-holder-{suffix}"
+    local_cloud.add_reservation(reservation, 1, **WHERE)
+    compute = testing.discovery_client(local_cloud.compute_endpoint)
+    op = compute.instances().insert(
+        body=testing.instance_body(holder, zone=LOCAL_ZONE, reservation=reservation), **WHERE
+    ).execute()
+    assert "error" not in testing.wait_operation(compute, op, **WHERE)
+    yield reservation, holder
+    if any(vm["name"] == holder for vm in local_cloud.vms()):
+        delete(local_cloud, holder)
+
+
+def delete(cloud, name: str) -> None:
+    compute = testing.discovery_client(cloud.compute_endpoint)
+    op = compute.instances().delete(instance=name, **WHERE).execute()
+    assert "error" not in testing.wait_operation(compute, op, **WHERE)
+
+
+def reads_of(cloud, reservation: str) -> int:
+    return sum(1 for r in cloud.requests() if r["method"] == "GET" and r["path"].endswith(f"/reservations/{reservation}"))
+
+
+def trigger_for(reservation: str, deadline: float, poll_interval: float = 0.2) -> ReservationCapacityTrigger:
+    return ReservationCapacityTrigger(
+        project_id=LOCAL_PROJECT, zone=LOCAL_ZONE, reservation=reservation, deadline=deadline, poll_interval=poll_interval
+    )
+
+
+async def first_event(trigger: ReservationCapacityTrigger, timeout: float = 60):
+    return await asyncio.wait_for(anext(trigger.run()), timeout)
+
+
+def test_fires_free_once_a_machine_is_given_back(full_reservation, local_cloud):
+    reservation, holder = full_reservation
+
+    async def scenario():
+        waiting = asyncio.create_task(first_event(trigger_for(reservation, time.time() + 120)))
+        # Wait until the trigger has seen the reservation full a few times.
+        until = time.monotonic() + 30
+        while reads_of(local_cloud, reservation) < 3:
+            assert time.monotonic() < until, "the trigger never read the reservation"
+            assert not waiting.done(), waiting.result().payload  # fired while nothing was free
+            await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await asyncio.to_thread(delete, local_cloud, holder)
+        return await waiting
+
+    event = asyncio.run(scenario())
+
+    assert event.payload["status"] == "free"
+    assert (event.payload["free"], event.payload["count"]) == (1, 1)
+
+
+def test_times_out_at_the_deadline_with_the_reservation_still_full(full_reservation, local_cloud):
+    reservation, _ = full_reservation
+    deadline = time.time() + 2
+
+    event = asyncio.run(first_event(trigger_for(reservation, deadline, poll_interval=0.5)))
+
+    assert time.time() >= deadline
+    assert event.payload == {"status": "timeout", "count": 1, "in_use": 1, "deadline": deadline}
+    assert reads_of(local_cloud, reservation) >= 4  # it kept looking until the deadline
+
+
+def test_a_missing_reservation_is_an_error(local_cloud, pipeline_connections):
+    event = asyncio.run(first_event(trigger_for("no-such-reservation", time.time() + 60)))
+
+    assert event.payload["status"] == "error"
+    assert "reservation no-such-reservation in local-project/us-east5-b does not exist" in event.payload["message"]
+
+
+def test_serialize_round_trips_through_airflow_serde():
+    from airflow.sdk.module_loading import import_string
+    from airflow.sdk.serde import deserialize, serialize
+
+    deadline = datetime(2030, 5, 17, 12, 30, tzinfo=timezone.utc)
+    trigger = ReservationCapacityTrigger(
+        project_id="p-1", zone="us-east5-b", reservation="r-1", deadline=deadline.isoformat(),
+        gcp_conn_id="gcp", poll_interval=30, impersonation_chain=["a@p-1.iam.gserviceaccount.com"],
+    )
+    classpath, kwargs = trigger.serialize()
+
+    assert kwargs["deadline"] == deadline.timestamp()
+    # What the task runner stores and the triggerer rebuilds the trigger from.
+    rebuilt = import_string(classpath)(**deserialize(serialize(kwargs)))
+    assert type(rebuilt) is ReservationCapacityTrigger
+    assert rebuilt.serialize() == (classpath, kwargs)
+    assert ReservationCapacityTrigger(**{**kwargs, "deadline": deadline}).serialize() == (classpath, kwargs)
