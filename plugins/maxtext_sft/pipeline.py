@@ -103,7 +103,8 @@ def _add_fine_tune_tasks() -> None:
         """Check what would otherwise fail on the paid-for VM: token and model access, the dataset
         snapshot and its files, the reservation's machine type and free capacity, the output location."""
         return run_preflight(
-            RunSpec.from_dict(spec), gcp_conn_id=GCP_CONN_ID, hf_conn_id=HF_CONN_ID, log=context["task"].log
+            RunSpec.from_dict(spec), gcp_conn_id=GCP_CONN_ID, hf_conn_id=HF_CONN_ID, log=context["task"].log,
+            capacity_gate=True,  # a full reservation is waited for by create_vm, not a failure
         )
 
     checked = preflight(run["spec"])
@@ -115,7 +116,9 @@ def _add_fine_tune_tasks() -> None:
     # (No callbacks: an EmptyOperator with callbacks is sent to a worker instead of being marked done.)
     vm_lease = EmptyOperator(task_id="vm_lease", on_execute_callback=None, on_success_callback=None)
 
-    # 1. Create the VM.
+    # 1. Create the VM, once the reservation has a machine free: across every DAG that uses it,
+    # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity) defers
+    # the task to the triggerer, holding no worker slot, up to max_capacity_wait_minutes.
     create_vm = CreateVmOperator(
         task_id="create_vm",
         project_id=run["project_id"],
@@ -124,6 +127,8 @@ def _add_fine_tune_tasks() -> None:
         request_id=run["request_id"],
         body=run["instance_body"],
         lifetime_minutes=run["lifetime_minutes"],
+        reservation=run["reservation"],
+        max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
         gcp_conn_id=GCP_CONN_ID,
         retry_exponential_backoff=True,  # 5xx errors clear up over minutes
     )

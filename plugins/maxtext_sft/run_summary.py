@@ -76,15 +76,17 @@ def vm_usage(
     created: dict | None,
     create_state: str | None,
     deleted: dict | None,
+    instance_created_at: str | None = None,
     delete_state: str | None,
     hourly_price_usd: float | None,
     now: datetime,
 ) -> dict[str, Any]:
     """The VM's lifetime, VM-hours and estimated cost.
 
-    The lifetime runs from create_vm's first start to delete_vm's end: it bounds the VM's real
-    life from above (the insert comes after the task starts, the deletion is confirmed before it
-    ends), so the cost is at most this. Without delete_vm's end it is counted up to `now`, still
+    The lifetime runs from the instance's creationTimestamp (create_vm's XCom; without it,
+    create_vm's first start) to delete_vm's end: it bounds the VM's real life from above (the
+    deletion is confirmed before the task ends), so the cost is at most this. The timestamp
+    matters because create_vm may have waited hours for a free machine before its insert. Without delete_vm's end it is counted up to `now`, still
     an upper bound; unless delete_vm succeeded the VM may still be running. If create_vm never
     started, no VM existed: no lifetime, cost 0.
     """
@@ -105,7 +107,7 @@ def vm_usage(
     if created is None:  # it ran, but left no record (killed before its callback): unknown
         usage.update(vm_hours=None, estimated_cost_usd=None)
         return usage
-    usage["started"] = created["started"]
+    usage["started"] = instance_created_at or created["started"]
     usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
     seconds = _seconds(usage["started"], usage["ended"])
     usage["lifetime_seconds"] = seconds
@@ -129,6 +131,7 @@ def build_summary(
     published: Mapping[str, Any] | None,
     hourly_price_usd: float | None,
     now: datetime,
+    instance_created_at: str | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
     from the spec, the training's result and the run record: nothing else of theirs can leak in."""
@@ -144,6 +147,7 @@ def build_summary(
         created=records.get(CREATE_TASK),
         create_state=states.get(CREATE_TASK),
         deleted=records.get(DELETE_TASK),
+        instance_created_at=instance_created_at,
         delete_state=states.get(DELETE_TASK),
         hourly_price_usd=hourly_price_usd,
         now=now,

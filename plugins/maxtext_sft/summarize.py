@@ -42,6 +42,8 @@ def gather_summary(context) -> dict[str, Any]:
         # Without a spec plan_run failed: no VM existed, so no price is needed.
         hourly_price_usd=spec.get("vm_hourly_price_usd") if spec else None,
         now=datetime.now(timezone.utc),
+        # When the VM came to be (after any wait for capacity): the instance create_vm returned.
+        instance_created_at=(ti.xcom_pull(task_ids="create_vm") or {}).get("creation_timestamp"),
     )
 
 

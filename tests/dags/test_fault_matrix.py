@@ -45,10 +45,16 @@ HELD_AT_STEP_5 = {"train_sft": {"stall_at_step": 5}}
 
 MATRIX = [
     Fault(
-        "create rejected: reservation full",
+        "create refused for capacity, no wait allowed",
+        conf={"max_capacity_wait_minutes": 0},
         cloud={"insert_rejected": {"preset": "reservation_no_capacity", "count": 3}},
         failed_task="create_vm",
-        cause="does not have sufficient capacity",
+        cause="no free capacity in reservation local-reservation",
+    ),
+    Fault(
+        "create refused for capacity: back to the capacity gate, then created",
+        cloud={"insert_rejected": {"preset": "reservation_no_capacity", "count": 1}},
+        outcome="success",
     ),
     Fault(
         "create rejected: zone exhausted, then capacity",

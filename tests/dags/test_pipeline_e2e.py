@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ def test_the_run_summary_times_every_phase_and_prices_the_vm(happy_run):
     assert all(row["duration_seconds"] > 0 for task_id, row in phases.items() if task_id != "vm_lease")
     vm = summary["vm"]
     assert vm["existed"] and vm["deleted"] and vm["hourly_price_usd"] == 20.0
-    assert vm["started"] == phases["create_vm"]["started"] and vm["ended"] == phases["delete_vm"]["ended"]
+    assert vm["started"] == run.xcoms["create_vm.return_value"]["creation_timestamp"]  # the instance's own
+    when = {key: datetime.fromisoformat(phases["create_vm"][key]) for key in ("started", "ended")}
+    assert when["started"] <= datetime.fromisoformat(vm["started"]) <= when["ended"]
+    assert vm["ended"] == phases["delete_vm"]["ended"]
     assert vm["estimated_cost_usd"] == round(vm["lifetime_seconds"] / 3600 * 20.0, 2)
     assert (summary["final_step"], summary["outputs"]["hf_export"]) == (30, run.xcoms["collect_outputs.return_value"]["hf_export"])
 

@@ -38,7 +38,11 @@ CASES = [
     ),
     Case("dataset revision missing", {"dataset_revision": "no-such-revision"}, cause="has no revision 'no-such-revision'"),
     Case("reservation missing", {"reservation": "no-such-reservation"}, cause="no-such-reservation in local-project/us-east5-b does not exist"),
-    Case("reservation full", {"reservation": "preflight-full"}, cause="has no free capacity: 1 of 1 machines in use"),
+    Case(
+        "reservation full, no wait allowed",
+        {"reservation": "preflight-full", "max_capacity_wait_minutes": 0},
+        cause="has no free capacity: 1 of 1 machines in use",
+    ),
     Case("reservation of another machine type", {"reservation": "preflight-v5e"}, cause="holds ct5lp-hightpu-8t machines"),
     Case("output location not writable", {"output_location": "gs://no-such-bucket/runs"}, cause="is not writable"),
 ]

@@ -187,3 +187,11 @@ def test_vm_usage_without_a_price_says_so():
     usage = vm_usage(created=phase(0, 1), create_state="success", deleted=phase(60, 120), delete_state="success",
                      hourly_price_usd=None, now=NOW)
     assert usage["vm_hours"] == 2.0 and usage["estimated_cost_usd"] is None
+
+
+def test_the_vm_is_counted_from_its_creation_not_from_a_create_that_waited_for_capacity():
+    # create_vm started at minute 0, waited for a free machine, and inserted at minute 45.
+    usage = vm_usage(created=phase(0, 46), create_state="success", deleted=phase(100, 105), delete_state="success",
+                     hourly_price_usd=20.0, now=NOW, instance_created_at=at(45))
+    assert usage["started"] == at(45) and usage["lifetime_seconds"] == 60 * 60
+    assert usage["estimated_cost_usd"] == 20.0
