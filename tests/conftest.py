@@ -118,3 +118,15 @@ def pipeline_connections(local_cloud, hf_token):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def local_bucket(local_cloud, name: str):
+    """Bucket `name` of the local cloud (created if missing), as google-cloud-storage sees it."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    local_cloud.create_bucket(name, exist_ok=True)
+    client = storage.Client(
+        project="local-project", credentials=AnonymousCredentials(), client_options={"api_endpoint": local_cloud.storage_url}
+    )
+    return client.bucket(name)

@@ -43,11 +43,13 @@ def hub_commit_title(spec: RunSpec) -> str:
 
 
 def _dataset_text(spec: RunSpec) -> str:
-    if spec.dataset_name.startswith("/"):
-        where = f"the folder `{spec.dataset_name}` on the VM"
-    else:
+    if spec.hub_dataset:
         where = f"[{spec.dataset_name}](https://huggingface.co/datasets/{spec.dataset_name})"
-    revision = f"revision `{spec.dataset_revision}`" if spec.dataset_revision else "revision not pinned"
+        revision = f"revision `{spec.dataset_revision}`" if spec.dataset_revision else "revision not pinned"
+    elif spec.bucket_dataset:
+        where, revision = f"the folder `{spec.dataset_name}`", f"{len(spec.dataset_files)} file(s)"
+    else:
+        where, revision = f"the folder `{spec.dataset_name}` on the VM", "revision not pinned"
     return f"{where}, split `{spec.train_split}`, columns {', '.join(spec.train_data_columns)}, {revision}"
 
 
@@ -57,7 +59,7 @@ def model_card(spec: RunSpec, *, final_step: int | None, final_loss: str | float
         base_model=spec.base_model_id,
         license=spec.base_model_license,
         library_name="transformers",
-        datasets=None if spec.dataset_name.startswith("/") else [spec.dataset_name],
+        datasets=[spec.dataset_name] if spec.hub_dataset else None,
         tags=["maxtext", "sft", "airflow"],
         dataset_revision=spec.dataset_revision,
         maxtext_version=spec.maxtext_version,

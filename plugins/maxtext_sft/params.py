@@ -32,7 +32,7 @@ PATTERNS = {
     "model_name": spec.SAFE_TOKEN,
     "model_revision": spec.SAFE_TOKEN,
     "base_model_id": spec.HUB_ID,
-    "dataset_name": spec.DATASET,
+    "dataset_name": spec.DATASET_PARAM,
     "dataset_revision": spec.SAFE_TOKEN,
     "train_split": spec.SAFE_TOKEN,
     "maxtext_version": spec.MAXTEXT_VERSION,
@@ -103,7 +103,8 @@ def pipeline_params() -> dict[str, Param]:
             "base_model_id", ["null", "string"], "Hub id of the base model for the model card; empty: MaxText's.", MODEL
         ),
         "dataset_name": _param(
-            "dataset_name", "string", "Hugging Face dataset id (DATASET_NAME), or a folder on the VM.", MODEL
+            "dataset_name", "string", "Hugging Face dataset id (DATASET_NAME), a folder on the VM, or gs://bucket/folder "
+            "(may hold {{ ds }} or {{ ds_nodash }}: the run's logical date), each in the data/<split>-*.parquet layout.", MODEL
         ),
         "dataset_revision": _param(
             "dataset_revision", ["null", "string"], "Dataset branch, tag or commit; empty: latest.", MODEL

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Any
 
+from google.api_core.exceptions import GoogleAPICallError
 from huggingface_hub.errors import HfHubHTTPError
 
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import HuggingFaceHubHook, hf_token
+from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.snapshots import SnapshotError, dataset_revision_at, files_at, snapshot_moment
 from maxtext_sft.spec import RunSpec, SpecError, build_run_spec
 
@@ -38,7 +41,10 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
             ssh_user=ssh.username or "",
             ssh_public_key=f"{ssh.pkey.get_name()} {ssh.pkey.get_base64()}",
         )
-        spec = pin_dataset_snapshot(spec, dag_run, hf_conn_id=hf_conn_id, log=context["task"].log)
+        if spec.bucket_dataset:
+            spec = list_bucket_dataset(spec, gcp_conn_id=gcp_conn_id, log=context["task"].log)
+        else:
+            spec = pin_dataset_snapshot(spec, dag_run, hf_conn_id=hf_conn_id, log=context["task"].log)
     except (SpecError, SnapshotError, ValueError) as error:
         raise AirflowFailException(f"Invalid run configuration: {error}") from error
     return {
@@ -81,3 +87,18 @@ def pin_dataset_snapshot(spec: RunSpec, dag_run, *, hf_conn_id: str, log) -> Run
     how = f"Param dataset_revision {spec.dataset_revision}" if spec.dataset_revision else f"newest at {moment.isoformat()}"
     log.info("Dataset %s pinned to commit %s (%s): %s", spec.dataset_name, revision, how, files)
     return dataclasses.replace(spec, dataset_revision=revision, dataset_files=tuple(files))
+
+
+def list_bucket_dataset(spec: RunSpec, *, gcp_conn_id: str, log) -> RunSpec:
+    """The spec with the files of a dataset folder in a bucket (its path already names the run's
+    date, if it is templated). A bucket that cannot be listed leaves no files: preflight says so."""
+    try:
+        names = StorageEndpointHook(gcp_conn_id=gcp_conn_id).names_under(spec.dataset_name)
+    except GoogleAPICallError as error:
+        if error.code is not None and error.code >= 500:
+            raise  # storage is unwell: the task's retries are for this
+        log.warning("Dataset folder %s not listed (preflight will say why): %s", spec.dataset_name, error.code)
+        return spec
+    files = sorted(name for name in names if fnmatch.fnmatchcase(name, spec.train_files_pattern))
+    log.info("Dataset %s: %s", spec.dataset_name, files)
+    return dataclasses.replace(spec, dataset_files=tuple(files))

@@ -55,6 +55,13 @@ def check_hub_access(api: HfApi, spec: RunSpec) -> str:
 
 
 def check_dataset(api: HfApi, spec: RunSpec) -> str:
+    if spec.bucket_dataset:
+        if not spec.dataset_files:
+            raise PreflightFailed(
+                f"dataset folder {spec.dataset_name} has no files {spec.train_files_pattern}, or cannot be "
+                "listed (Params dataset_name, train_split; the Google connection's access to the bucket)"
+            )
+        return f"dataset {spec.dataset_name}: {len(spec.dataset_files)} file(s) {spec.train_files_pattern}"
     if not spec.hub_dataset:
         return f"dataset {spec.dataset_name} is a folder on the VM: not checked"
     commit = readable_commit(api, "dataset", spec.dataset_name, spec.dataset_revision, "the Hugging Face token")

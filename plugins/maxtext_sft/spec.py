@@ -143,7 +143,13 @@ GCE_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[a-z][-a-z0-9.:]{0,61}[a-z0-9]$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 # A dataset: a Hub id, or a folder on the VM in the Hub dataset's layout (staged by an image or disk).
-DATASET = re.compile(HUB_ID.pattern + r"|^/[A-Za-z0-9._/-]+$")
+# A dataset: a Hub id, a folder on the VM in the Hub dataset's layout (staged by an image or disk),
+# or a folder in a bucket in that layout, which may name the run's date: {{ ds }} or {{ ds_nodash }}
+# (the run's logical date, as in Airflow's templates), filled in by build_run_spec.
+DATE_TOKEN = re.compile(r"\{\{ ?(ds|ds_nodash) ?\}\}")
+_GCS_FOLDER = r"^gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/(?:[A-Za-z0-9._=-]|TOKEN)+)+/?$"
+DATASET = re.compile(HUB_ID.pattern + r"|^/[A-Za-z0-9._/-]+$|" + _GCS_FOLDER.replace("|TOKEN", ""))
+DATASET_PARAM = re.compile(HUB_ID.pattern + r"|^/[A-Za-z0-9._/-]+$|" + _GCS_FOLDER.replace("TOKEN", DATE_TOKEN.pattern))
 SAFE_TOKEN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAXTEXT_VERSION = re.compile(r"^[0-9]+(\.[0-9]+){1,3}([a-z]+[0-9]*)?$")
 # A path on the VM: absolute, or under the home directory ("~" or "~/..."); no shell metacharacters.
@@ -241,8 +247,12 @@ class RunSpec:
     #   OUTPUT/base-checkpoints/MODEL/KEY/                converted base checkpoints, shared by runs
     @property
     def hub_dataset(self) -> bool:
-        """The dataset is on the Hub (it has revisions), not a folder on the VM."""
-        return not self.dataset_name.startswith("/")
+        """The dataset is on the Hub (it has revisions), not a folder on the VM or in a bucket."""
+        return not self.dataset_name.startswith(("/", "gs://"))
+
+    @property
+    def bucket_dataset(self) -> bool:
+        return self.dataset_name.startswith("gs://")
 
     @property
     def train_files_pattern(self) -> str:
@@ -370,7 +380,13 @@ class RunSpec:
         base_checkpoint = base_checkpoint or f"{self.maxtext_checkpoint_dir}0/items"
         columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
         split = [f"train_split={self.train_split}"]
-        if self.dataset_revision:
+        hf_path = self.dataset_name
+        if self.bucket_dataset:
+            # `datasets`' parquet builder reads the bucket's files (gcsfs); as with a pinned Hub
+            # revision, the split's files are named and `datasets` calls their split "train".
+            hf_path = "parquet"
+            split = [f"hf_train_files={self.dataset_name}/{self.train_files_pattern}", "train_split=train"]
+        elif self.dataset_revision:
             # MaxText's loader takes no revision: revision-pinned files pin the snapshot instead.
             # `datasets` names the split of explicit data files "train"; the split Param picks
             # the files (UltraChat's data/<split>-*.parquet layout).
@@ -386,7 +402,7 @@ class RunSpec:
             f"per_device_batch_size={self.per_device_batch_size}",
             f"steps={self.steps}",
             f"checkpoint_period={self.checkpoint_period}",
-            f"hf_path={self.dataset_name}",
+            f"hf_path={hf_path}",
             *split,
             f"train_data_columns={columns}",
             "profiler=xplane",
@@ -618,8 +634,13 @@ def build_run_spec(
     revision = p["dataset_revision"]
     if revision is not None and (not isinstance(revision, str) or not SAFE_TOKEN.match(revision)):
         raise SpecError(f"Param 'dataset_revision': {revision!r} is not a branch, tag or commit id")
-    if revision is not None and str(p["dataset_name"]).startswith("/"):
-        raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder on the VM")
+    if revision is not None and str(p["dataset_name"]).startswith(("/", "gs://")):
+        raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder")
+    dataset_name = p["dataset_name"]
+    if isinstance(dataset_name, str) and dataset_name.startswith("gs://"):
+        dataset_name = DATE_TOKEN.sub(
+            lambda token: f"{started:%Y-%m-%d}" if token.group(1) == "ds" else f"{started:%Y%m%d}", dataset_name
+        ).rstrip("/")
     model_name = _require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b")
     outputs = _outputs(p, model_name)
     if not SSH_USER.match(ssh_user) or ssh_user == "root":
@@ -652,7 +673,8 @@ def build_run_spec(
         steps=_int_in(p, "steps"),
         per_device_batch_size=_int_in(p, "per_device_batch_size"),
         dataset_name=_require(
-            p, "dataset_name", DATASET, "a Hugging Face dataset id (owner/name) or an absolute folder on the VM"
+            {"dataset_name": dataset_name}, "dataset_name", DATASET,
+            "a Hugging Face dataset id (owner/name), an absolute folder on the VM, or gs://bucket/folder",
         ),
         train_split=_require(p, "train_split", SAFE_TOKEN, "a split name"),
         train_data_columns=tuple(columns),

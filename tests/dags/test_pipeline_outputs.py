@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import copy
 import json
-from datetime import datetime
+from datetime import datetime, timezone
 
 import pytest
 import yaml
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import storage
 from huggingface_hub import HfApi
 
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
+from maxtext_sft.spec import RunSpec
+from tests.conftest import local_bucket
 from tests.dags.conftest import parse_pipeline_dag
 from tests.plugins.test_loss_curve import decode_png
 
@@ -28,13 +28,7 @@ HUB_REPO = f"{LOCAL_HUB_USER}/gemma-sft"
 
 @pytest.fixture(scope="module")
 def bucket(local_cloud):
-    local_cloud.create_bucket(BUCKET, exist_ok=True)
-    client = storage.Client(
-        project="local-project",
-        credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": local_cloud.storage_endpoint.removesuffix("/storage/v1/")},
-    )
-    return client.bucket(BUCKET)
+    return local_bucket(local_cloud, BUCKET)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +152,27 @@ def test_a_half_written_final_step_is_not_taken_as_done(run_pipeline, local_clou
     assert run.task_states["export_to_hf"] == "upstream_failed"
     assert "step 5 has no commit_success.txt in storage" in run.log
     assert local_cloud.vms() == []
+
+
+def test_a_dataset_in_a_bucket_is_the_folder_of_the_runs_date_and_its_files_are_recorded(
+    run_pipeline, bucket, local_cloud
+):
+    # dag.test() runs at "now": {{ ds }} is today's date. Yesterday's folder must not be read.
+    today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    for day in (today, "2020-01-01"):
+        bucket.blob(f"chats/{day}/data/train_sft-00000-of-00001.parquet").upload_from_string(f"chats of {day}")
+    bucket.blob(f"chats/{today}/data/test_sft-00000-of-00001.parquet").upload_from_string("not trained on")
+    run = run_pipeline({"dataset_name": f"gs://{BUCKET}/chats/{{{{ ds }}}}", "steps": 3})
+    assert run.state == "success", run.task_states
+    spec = run.xcoms["plan_run.spec"]
+    assert spec["dataset_name"] == f"gs://{BUCKET}/chats/{today}"
+    assert run.xcoms["collect_outputs.return_value"]["dataset_files"] == ["data/train_sft-00000-of-00001.parquet"]
+    args = RunSpec.from_dict(spec).train_args()
+    assert f"hf_train_files=gs://{BUCKET}/chats/{today}/data/train_sft-*.parquet" in args and "hf_path=parquet" in args
+
+    # A date with no folder: preflight names it, before any VM.
+    local_cloud.clear_requests()
+    empty = run_pipeline({"dataset_name": f"gs://{BUCKET}/chats/{{{{ ds_nodash }}}}", "steps": 3})
+    assert empty.state == "failed" and empty.task_states["preflight"] == "failed"
+    assert f"dataset folder gs://{BUCKET}/chats/{today.replace('-', '')} has no files data/train_sft-*.parquet" in empty.log
+    assert [r for r in local_cloud.requests() if r["method"] == "POST"] == []

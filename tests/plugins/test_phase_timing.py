@@ -12,10 +12,9 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import storage
 
 from maxtext_sft.phase_timing import PHASE_KEY
+from tests.conftest import local_bucket
 
 PROBE_DAGS = Path(__file__).parent / "summary_dag"
 PRICE = 36.0  # summary_probe.HOURLY_PRICE
@@ -68,13 +67,7 @@ BUCKET = "summary-probe"
 @pytest.fixture(scope="module")
 def bucket(local_cloud, pipeline_connections):
     """A bucket of the local cloud, which google_cloud_default (pipeline_connections) reaches."""
-    local_cloud.create_bucket(BUCKET, exist_ok=True)
-    client = storage.Client(
-        project="local-project",
-        credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": local_cloud.storage_endpoint.removesuffix("/storage/v1/")},
-    )
-    return client.bucket(BUCKET)
+    return local_bucket(local_cloud, BUCKET)
 
 
 @pytest.fixture(scope="module")

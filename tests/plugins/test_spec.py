@@ -261,3 +261,18 @@ def test_ssh_via_iap_tunnels_through_gcloud():
         "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
         f"--zone={spec.zone}", "--project=my-project", "--verbosity=warning",
     ]
+
+
+def test_a_dataset_in_a_bucket_names_the_runs_date_and_is_read_as_parquet_files():
+    spec = make_spec(dataset_name="gs://team-data/chats/{{ ds }}/", train_split="train_sft")
+    assert spec.dataset_name == f"gs://team-data/chats/{STARTED:%Y-%m-%d}"
+    assert spec.bucket_dataset and not spec.hub_dataset
+    args = spec.train_args()
+    assert "hf_path=parquet" in args and "train_split=train" in args
+    assert f"hf_train_files=gs://team-data/chats/{STARTED:%Y-%m-%d}/data/train_sft-*.parquet" in args
+    assert make_spec(dataset_name="gs://team-data/d={{ds_nodash}}").dataset_name == f"gs://team-data/d={STARTED:%Y%m%d}"
+    for bad in ("gs://team-data/{{ conn.huggingface_default.password }}", "gs://team-data/{{ ds }};x", "gs://team-data"):
+        with pytest.raises(SpecError, match="'dataset_name'"):
+            make_spec(dataset_name=bad)
+    with pytest.raises(SpecError, match="only a Hub dataset has revisions"):
+        make_spec(dataset_name="gs://team-data/chats", dataset_revision="abc")
