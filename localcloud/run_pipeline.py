@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -52,9 +53,14 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
     run_id = run["dag_run_id"]
     tis = airflow.task_instances(run_id)
     print(f"\nDAG run {run_id}: {run['state'].upper()} in {time.monotonic() - started:.0f} s")
+    # The run summary's phase durations: first start to end, across retries and a sensor's
+    # reschedules (the REST API's `duration` is the last try's or poke's).
+    summary = airflow.xcom(run_id, "summarize_run") or {}
+    phase_seconds = {row["task_id"]: row["duration_seconds"] for row in summary.get("phases", [])}
     print(f"\n{'task':<28} {'state':<16} {'tries':>5} {'duration':>10}")
     for ti in sorted(tis, key=lambda t: t.get("start_date") or "~"):
-        duration = f"{ti['duration']:.1f} s" if ti.get("duration") is not None else "-"
+        seconds = phase_seconds.get(ti["task_id"]) or ti.get("duration")
+        duration = f"{seconds:.1f} s" if seconds is not None else "-"
         print(f"{ti['task_id']:<28} {ti['state'] or 'none':<16} {ti['try_number']:>5} {duration:>10}")
 
     print("\nVM lifecycle (Compute API requests seen by the emulator):")
@@ -79,7 +85,6 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
     if published:
         print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "
               f"commit {published['commit']}")
-    summary = airflow.xcom(run_id, "summarize_run")
     if summary:
         vm = summary["vm"]
         print("\nRun summary (summarize_run; run-summary.json beside the run record):")
@@ -122,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    # A clean local cloud each time: no bucket, Hub repo or VM of an earlier run (the Airflow
+    # harness likewise starts from an empty home).
+    shutil.rmtree(STATE / "cloud", ignore_errors=True)
     STATE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     print(f"Building the local VM image for --maxtext={args.maxtext} (cached; the real one takes minutes once) ...")
