@@ -58,7 +58,7 @@ def team_job(tmp_path, local_cloud):
             **LOCAL_RUN_CONF,
             "reservation": RESERVATION,
             "dataset_name": DATASET,
-            "output_location": LOCAL_OUTPUTS_CONF["output_location"],
+            "output_location": f"{LOCAL_OUTPUTS_CONF['output_location']}/backfill",  # its own conversion cache
             "steps": 20,
             "max_capacity_wait_minutes": 30,
         },

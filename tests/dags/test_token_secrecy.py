@@ -91,7 +91,14 @@ def test_the_token_is_nowhere_but_in_the_steps_that_need_it(run_pipeline, local_
     inspector = Inspector(local_cloud, token)
     inspector.start()
     local_cloud.clear_storage_requests()
-    conf = {**LOCAL_OUTPUTS_CONF, "hub_repo_id": f"{HUB_USER}/secrecy-check", "steps": 6}
+    # An output folder of its own: another test's converted checkpoint in the shared cache would
+    # skip the conversion, and with it the convert barrier the inspector waits for.
+    conf = {
+        **LOCAL_OUTPUTS_CONF,
+        "output_location": f"{LOCAL_OUTPUTS_CONF['output_location']}/secrecy-{secrets.token_hex(4)}",
+        "hub_repo_id": f"{HUB_USER}/secrecy-check",
+        "steps": 6,
+    }
     try:
         run = run_pipeline(conf, maxtext_faults={command: {"barrier": f"barrier-{command}"} for command in COMMANDS})
     finally:
