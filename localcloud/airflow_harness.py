@@ -227,8 +227,8 @@ class Airflow:
         run = self.request("POST", f"/api/v2/dags/{self.dag_id}/dagRuns", {"logical_date": None, "conf": conf})
         return run["dag_run_id"]
 
-    def run(self, run_id: str) -> dict:
-        return self.get(f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}")
+    def run(self, run_id: str, dag_id: str | None = None) -> dict:
+        return self.get(f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns/{run_id}")
 
     def task_instances(self, run_id: str) -> list[dict]:
         return self.get(f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]

@@ -17,7 +17,7 @@ from huggingface_hub.errors import (
 )
 
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, reservation_counts
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.spec import RunSpec
@@ -101,7 +101,7 @@ def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capa
     machine_type = (specific.get("instanceProperties") or {}).get("machineType", "").rsplit("/", 1)[-1]
     if machine_type != spec.machine_type:
         raise PreflightFailed(f"{where} holds {machine_type or 'no'} machines, not {spec.machine_type}")
-    count, in_use = int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+    count, in_use = reservation_counts(reservation)
     if in_use >= count and capacity_gate and spec.max_capacity_wait_minutes > 0:
         return (
             f"{where}: all {count} {machine_type} machines in use; create_vm waits up to "

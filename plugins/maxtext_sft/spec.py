@@ -142,7 +142,6 @@ GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 GCE_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[a-z][-a-z0-9.:]{0,61}[a-z0-9]$")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-# A dataset: a Hub id, or a folder on the VM in the Hub dataset's layout (staged by an image or disk).
 # A dataset: a Hub id, a folder on the VM in the Hub dataset's layout (staged by an image or disk),
 # or a folder in a bucket in that layout, which may name the run's date: {{ ds }} or {{ ds_nodash }}
 # (the run's logical date, as in Airflow's templates), filled in by build_run_spec.

@@ -20,15 +20,15 @@ SPEC_TASK, TRAINING_TASK, OUTPUTS_TASK, PUBLISH_TASK = (
 )
 
 
-def gather_summary(context) -> dict[str, Any]:
-    """The summary of this DAG run, from the task states and the XComs of every task before this one."""
+def gather_summary(context, spec: dict | None) -> dict[str, Any]:
+    """The summary of this DAG run, from the task states and the XComs of every task before this
+    one; `spec` is plan_run's (None when it failed)."""
     ti, dag_run, dag = context["ti"], context["dag_run"], context["dag"]
     upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
     # This task and what waits for it (check_run_outcome) have not finished: not phases yet.
     later = {ti.task_id} | downstream_of(upstream, ti.task_id)
     order = [task_id for task_id in pipeline_order(upstream) if task_id not in later]
     states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
-    spec = ti.xcom_pull(task_ids=SPEC_TASK, key="spec")
     return build_summary(
         dag_id=dag_run.dag_id,
         run_id=dag_run.run_id,
@@ -57,11 +57,11 @@ def summarize_run(gcp_conn_id: str = "google_cloud_default", **context):
     """
     log = context["task"].log
     try:
-        summary = gather_summary(context)
+        spec = context["ti"].xcom_pull(task_ids=SPEC_TASK, key="spec")
+        summary = gather_summary(context, spec)
     except Exception:
         log.warning("Could not gather the run summary", exc_info=True)
         return None
-    spec = context["ti"].xcom_pull(task_ids=SPEC_TASK, key="spec")
     if spec and spec.get("output_location"):
         summary["run_summary"] = f"{RunSpec.from_dict(spec).run_output_dir}/{RUN_SUMMARY_NAME}"
         try:

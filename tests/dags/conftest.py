@@ -125,7 +125,7 @@ def wait_for_training_watched(airflow, run_id: str) -> None:
 
 def wait_for_run_end(airflow, run_id: str, timeout: float = 240, dag_id: str | None = None) -> dict:
     def ended():
-        run = airflow.run(run_id) if dag_id is None else airflow.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+        run = airflow.run(run_id, dag_id)
         return run if run["state"] in ("success", "failed") else None
 
     return wait_until(ended, timeout, "the run to end")

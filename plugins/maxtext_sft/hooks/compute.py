@@ -26,6 +26,13 @@ API_PATH = "compute/v1/"
 HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
 
 
+def reservation_counts(reservation: dict) -> tuple[int, int]:
+    """(count, inUseCount) of a specific reservation resource (REST JSON)."""
+    specific = reservation.get("specificReservation") or {}
+    # int64 fields arrive as JSON strings.
+    return int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+
+
 class ComputeEngineEndpointHook(ComputeEngineHook):
     """`ComputeEngineHook` that honours the connection extra `compute_api_endpoint`.
 
@@ -94,11 +101,7 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
         inUseCount counts every VM consuming it, whichever DAG, run or person created it.
         """
         reservation = self.get_reservation(name=name, zone=zone, project_id=project_id)
-        if reservation is None:
-            return None
-        specific = reservation.get("specificReservation") or {}
-        # int64 fields arrive as JSON strings.
-        return int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
+        return None if reservation is None else reservation_counts(reservation)
 
     def _unless_missing(self, request) -> dict | None:
         """Execute a discovery-client request; None when the API answers 404."""
