@@ -23,10 +23,17 @@ $(VENV)/.synced: requirements.lock
 # PostgreSQL is the metadata database of the tests that run a real scheduler (each session starts
 # a private server of its own, localcloud/postgres.py). The package would create and start a
 # system-wide "main" cluster that nothing here uses: a createcluster.d setting stops that.
+# Redis is the Celery broker of the deployment-shaped test (it starts a private server of its
+# own); chromium and chromium-driver run the trigger-form test; docker-compose 1.29 validates
+# docker-compose.yaml (`config` needs no Docker engine).
 system-deps:
 	@missing=""; \
 	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
 	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	[ -x /usr/bin/redis-server ] || missing="$$missing redis-server"; \
+	[ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
+	[ -x /usr/bin/chromedriver ] || missing="$$missing chromium-driver"; \
+	[ -x /usr/bin/docker-compose ] || missing="$$missing docker-compose"; \
 	if [ -n "$$missing" ]; then \
 		case "$$missing" in *postgresql*) \
 			mkdir -p /etc/postgresql-common/createcluster.d && \
