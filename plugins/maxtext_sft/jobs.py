@@ -25,6 +25,7 @@ from airflow.sdk import DAG
 from airflow.sdk.definitions.param import ParamsDict
 from maxtext_sft.notifier import JobNotifier
 from maxtext_sft.params import pipeline_params, with_defaults
+from maxtext_sft.paths import include_dir
 from maxtext_sft.pipeline import fine_tune_dag
 from maxtext_sft.spec import SpecError, build_run_spec
 
@@ -42,9 +43,10 @@ class JobConfigError(ValueError):
 
 
 def jobs_dir() -> Path:
-    """include/jobs beside plugins/ (the Astronomer layout); MAXTEXT_SFT_JOBS_DIR overrides it."""
+    """include/jobs; MAXTEXT_SFT_JOBS_DIR names a folder of jobs alone (the tests' own jobs, with
+    the real VM scripts still found in include/vm)."""
     override = os.environ.get("MAXTEXT_SFT_JOBS_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "include" / "jobs"
+    return Path(override) if override else include_dir() / "jobs"
 
 
 def load_job(path: Path) -> dict[str, Any]:

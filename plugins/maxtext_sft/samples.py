@@ -18,8 +18,8 @@ from typing import Any
 from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.paths import include_dir
 
-EVAL_DIR = Path(__file__).resolve().parents[2] / "include" / "eval"
 GENERATION_TIMEOUT_SECONDS = 1800
 
 
@@ -69,8 +69,9 @@ def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_token
         model_dir = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
         log.info("Generating from %s (run %s, dataset %s@%s)", model["location"], model["run_name"],
                  model["dataset"], model["dataset_revision"])
+        eval_dir = include_dir() / "eval"
         done = subprocess.run(
-            [python, str(EVAL_DIR / "generate_samples.py"), str(model_dir), str(EVAL_DIR / "prompts.txt"),
+            [python, str(eval_dir / "generate_samples.py"), str(model_dir), str(eval_dir / "prompts.txt"),
              str(max_new_tokens)],
             capture_output=True, text=True, timeout=GENERATION_TIMEOUT_SECONDS, env=_generation_env(folder),
         )

@@ -7,7 +7,6 @@ formatted into shell code, so a value can only ever arrive at the script as data
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from maxtext_sft.hooks.vm_ssh import REMOTE_SCRIPT_DIR
 from maxtext_sft.loss_curve import MAX_POINTS
+from maxtext_sft.paths import include_dir
 from maxtext_sft.spec import RunSpec
 
 
@@ -84,15 +84,13 @@ STEPS: dict[str, VmStep] = {
 }
 
 
-def include_dir() -> Path:
-    """include/vm beside plugins/ (the Astronomer layout); MAXTEXT_SFT_INCLUDE_DIR overrides it."""
-    override = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "include" / "vm"
+def vm_scripts_dir() -> Path:
+    return include_dir() / "vm"
 
 
 def script_files() -> dict[str, bytes]:
     """Every step script plus lib.sh: uploaded together, so a step never meets a stale helper."""
-    folder = include_dir()
+    folder = vm_scripts_dir()
     return {path.name: path.read_bytes() for path in sorted(folder.glob("*.sh"))}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_sft.vm_steps import include_dir
+from maxtext_sft.vm_steps import vm_scripts_dir
 
 RECORD = 'printf "%s\\n" "$(basename "$0")${UV_TORCH_BACKEND:+ [UV_TORCH_BACKEND=$UV_TORCH_BACKEND]} $*" >>"$RECORD_LOG"'
 
@@ -70,7 +70,7 @@ def machine(tmp_path):
 
     def run() -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["bash", str(include_dir() / "install_maxtext.sh"), "~", "0.2.2"],
+            ["bash", str(vm_scripts_dir() / "install_maxtext.sh"), "~", "0.2.2"],
             env={"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD_LOG": str(log)},
             capture_output=True,
             text=True,

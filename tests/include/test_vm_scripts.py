@@ -25,7 +25,7 @@ from localcloud import images
 from localcloud.cloud import storage_env
 from maxtext_sft.loss_curve import parse_loss_history
 from maxtext_sft.spec import build_run_spec
-from maxtext_sft.vm_steps import STEPS, include_dir
+from maxtext_sft.vm_steps import STEPS, vm_scripts_dir
 
 TOKEN = "hf_script_test_token_42"
 STATUS = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$", re.M)
@@ -73,7 +73,7 @@ class Vm:
             **self.env,
         }
         result = subprocess.run(
-            ["bash", str(include_dir() / STEPS[step].script), *args],
+            ["bash", str(vm_scripts_dir() / STEPS[step].script), *args],
             input=(token + "\n") if token else "",
             capture_output=True,
             text=True,
@@ -198,7 +198,7 @@ def test_loss_history_prints_every_step_line_of_the_training_and_is_safe_to_run_
     assert [step for step, _ in history] == list(range(1, 13))
     assert all(isinstance(loss, float) and loss > 0 for _, loss in history)
     # A long log is thinned to MAX_LINES lines, the first and last step always kept.
-    script, args = include_dir() / STEPS["loss_history"].script, STEPS["loss_history"].arguments(vm.spec, {})
+    script, args = vm_scripts_dir() / STEPS["loss_history"].script, STEPS["loss_history"].arguments(vm.spec, {})
     env = {"HOME": str(vm.home), "PATH": "/usr/bin:/bin"}
     thin = subprocess.run(["bash", str(script), *args[:2], "5"], capture_output=True, text=True, env=env, check=True)
     steps = [step for step, _ in parse_loss_history(thin.stdout.splitlines())]
