@@ -7,6 +7,10 @@
     airflow.start_scheduler()  # a new scheduler on the same database
     airflow.stop()             # everything that remains
 
+    Airflow(home, env, database_url=postgres_url, celery_broker_url=redis_url, celery_workers=2)
+                               # CeleryExecutor, as docker-compose.yaml deploys it: the tasks run
+                               # on Celery workers, each with a home and temp folder of its own
+
 Unlike `airflow standalone`, each component is its own `python -m airflow COMPONENT` process in
 its own session (process group), so one can be killed while the others keep running. The
 api-server serves the REST API and the execution API the task runners use
@@ -36,6 +40,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+CELERY_APP = "airflow.providers.celery.executors.celery_executor.app"
+# A Celery worker's hostname, which task instances record: on one machine, each worker says its
+# own (as each container of a compose deployment has its own).
+WORKER_HOSTNAME_VAR = "LOCALCLOUD_WORKER_HOSTNAME"
 HOME_MARK = "LOCALCLOUD_AIRFLOW_HOME"
 SIMPLE_AUTH_MANAGER = "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager"
 
@@ -90,6 +98,8 @@ class Airflow:
         dag_id: str = "maxtext_sft",
         parallelism: int = 4,
         dags_folder: Path | None = None,
+        celery_broker_url: str | None = None,
+        celery_workers: int = 2,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -98,6 +108,9 @@ class Airflow:
         self.dag_id = dag_id
         self.parallelism = parallelism
         self.dags_folder = Path(dags_folder) if dags_folder else REPO / "dags"
+        self.celery_broker_url = celery_broker_url
+        self.workers = [f"celery-worker-{n}" for n in range(1, celery_workers + 1)] if celery_broker_url else []
+        self.components = COMPONENTS + tuple(self.workers)
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -115,22 +128,27 @@ class Airflow:
         atexit.register(self.stop)
         try:
             self._migrate(deadline)
-            for name in COMPONENTS:
+            for name in self.components:
                 self.start_component(name)
             self._wait_until(self._ready, deadline, "Airflow to be healthy with the DAG parsed")
+            if self.workers:
+                self._wait_until(self._workers_ready, deadline, f"Celery workers {self.workers} to answer a ping")
         except BaseException:
             self.stop()
             raise
 
     def start_component(self, name: str) -> None:
         """Start one component (again, after a kill) in a session of its own."""
-        if name not in COMPONENTS:
-            raise ValueError(f"unknown component {name!r}; one of {COMPONENTS}")
+        if name not in self.components:
+            raise ValueError(f"unknown component {name!r}; one of {self.components}")
         if self._env is None:
             raise AirflowError("start() the harness first")
         if self.running(name):
             raise AirflowError(f"{name} is already running (pid {self.processes[name].pid})")
-        self.processes[name] = self._spawn(name, [name])
+        if name in self.workers:
+            self.processes[name] = self._spawn_worker(name)
+        else:
+            self.processes[name] = self._spawn(name, [name])
 
     def cli(self, *airflow_args: str, timeout: float = 300) -> str:
         """Run `airflow ARGS` (e.g. `backfill create ...`) as a user of this deployment would; its output."""
@@ -167,8 +185,8 @@ class Airflow:
         """Stop every component left (SIGTERM, SIGKILL after `grace` s), the api-server last, then
         anything else started for this home (task runners a killed scheduler left)."""
         atexit.unregister(self.stop)
-        workers = [name for name in COMPONENTS if name != "api-server" and name in self.processes]
-        self._terminate(workers, grace)
+        components = [name for name in self.components if name != "api-server" and name in self.processes]
+        self._terminate(components, grace)
         self._terminate([name for name in ("api-server",) if name in self.processes], grace)
         self._kill_marked()
         self.token = None
@@ -250,7 +268,7 @@ class Airflow:
     # ----- internals --------------------------------------------------------------------------
 
     def _component_env(self) -> dict[str, str]:
-        return {
+        env = {
             **self.base_env,
             "PATH": f"{Path(sys.executable).parent}:{self.base_env.get('PATH', os.environ.get('PATH', '/usr/bin:/bin'))}",
             HOME_MARK: str(self.home),
@@ -273,18 +291,62 @@ class Airflow:
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "PYTHONPATH": str(REPO / "plugins"),  # as in a deployment: plugins/ is importable
         }
+        if self.celery_broker_url:
+            env.update(self._celery_env())
+        return env
+
+    def _celery_env(self) -> dict[str, str]:
+        """CeleryExecutor settings, as docker-compose.yaml gives them: Redis as the broker, the
+        metadata database as the result backend, and one log folder every component shares
+        (compose mounts ./logs into each container), so the api-server reads any worker's log."""
+        driverless = self.database_url.split("://", 1)[1]
+        return {
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__CELERY__BROKER_URL": self.celery_broker_url,
+            "AIRFLOW__CELERY__RESULT_BACKEND": f"db+postgresql://{driverless}",
+            "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
+        }
+
+    def _spawn_worker(self, name: str) -> subprocess.Popen:
+        """`airflow celery worker` with a home, temp folder and hostname of its own: a file one
+        task leaves on its worker is not there for a task on the other one."""
+        own = self.home / name
+        for folder in ("home", "tmp"):
+            (own / folder).mkdir(parents=True, exist_ok=True)
+        env = {
+            **self._env,
+            "AIRFLOW_HOME": str(own),
+            "HOME": str(own / "home"),
+            "TMPDIR": str(own / "tmp"),
+            WORKER_HOSTNAME_VAR: name,
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "localcloud.airflow_harness.worker_hostname",
+            "PYTHONPATH": f"{self._env['PYTHONPATH']}:{REPO}",  # for the hostname callable above
+        }
+        # No log server: the logs are in the shared folder (and two would want one port).
+        arguments = ["celery", "worker", "--celery-hostname", f"{name}@%h", "--skip-serve-logs", "--pid", str(own / "worker.pid")]
+        return self._spawn(name, arguments, env=env)
+
+    def _workers_ready(self) -> bool:
+        for name in self.workers:
+            if not self.running(name):
+                raise AirflowError(f"{name} exited during start-up: {self.log_tail(name)}")
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "--app", CELERY_APP, "inspect", "ping", "--timeout", "2"],
+            env=self._env, cwd=self.home, capture_output=True, text=True, timeout=60,
+        )
+        return all(f"{name}@" in done.stdout for name in self.workers)  # "->  NAME@HOST: OK"
 
     def _new_token(self) -> str:
         """An admin's API token: the simple auth manager hands one out to anyone when every user
         is an admin (`simple_auth_manager_all_admins`)."""
         return self.get("/auth/token", auth=False)["access_token"]
 
-    def _spawn(self, log_name: str, airflow_args: list[str]) -> subprocess.Popen:
+    def _spawn(self, log_name: str, airflow_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """`airflow ARGS` in a session of its own, its output appended to HOME/LOG_NAME.log."""
         with open(self.log_path(log_name), "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "airflow", *airflow_args],
-                env=self._env,
+                env=env or self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -367,3 +429,8 @@ class Airflow:
             if time.monotonic() > deadline:
                 raise AirflowError(f"processes {left} of {self.home} did not die")
             time.sleep(0.1)  # polling interval while the kernel reaps them
+
+
+def worker_hostname() -> str:
+    """`[core] hostname_callable` of the harness's Celery workers: the worker's own name."""
+    return os.environ[WORKER_HOSTNAME_VAR]
