@@ -15,7 +15,9 @@ workers are in the scheduler's group, each task runner in a group of its own). E
 started for a home carries `LOCALCLOUD_AIRFLOW_HOME=<home>` in its environment, which is how
 `stop()` finds what a killed component left behind (task runners) and how `start()` finds what
 a dead run left behind in the same home. Auth is the simple auth manager with every user an
-admin: `GET /auth/token` hands out the API token, no password involved.
+admin: `GET /auth/token` hands out the API token, no password involved. `Airflow(..., users={"admin":
+"pw"})` instead declares those users (admins) with those passwords: the UI asks them to log in and
+the API token comes from `POST /auth/token` with the first user's name and password.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Airflow:
         dag_id: str = "maxtext_sft",
         parallelism: int = 4,
         dags_folder: Path | None = None,
+        users: dict[str, str] | None = None,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -98,6 +101,7 @@ class Airflow:
         self.dag_id = dag_id
         self.parallelism = parallelism
         self.dags_folder = Path(dags_folder) if dags_folder else REPO / "dags"
+        self.users = dict(users or {})
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -111,7 +115,7 @@ class Airflow:
         self._kill_marked()
         shutil.rmtree(self.home, ignore_errors=True)
         self.home.mkdir(parents=True)
-        self._env = self._component_env()
+        self._env = {**self._component_env(), **self._auth_settings()}
         atexit.register(self.stop)
         try:
             self._migrate(deadline)
@@ -274,10 +278,27 @@ class Airflow:
             "PYTHONPATH": str(REPO / "plugins"),  # as in a deployment: plugins/ is importable
         }
 
+    def _auth_settings(self) -> dict[str, str]:
+        """With `users`, those users instead of every user an admin, their passwords in a file in
+        the home (written here: the auth manager only generates passwords it lacks)."""
+        if not self.users:
+            return {}
+        passwords_file = self.home / "simple_auth_manager_passwords.json"
+        passwords_file.write_text(json.dumps(self.users))
+        return {
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "false",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{name}:admin" for name in self.users),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+        }
+
     def _new_token(self) -> str:
         """An admin's API token: the simple auth manager hands one out to anyone when every user
-        is an admin (`simple_auth_manager_all_admins`)."""
-        return self.get("/auth/token", auth=False)["access_token"]
+        is an admin (`simple_auth_manager_all_admins`), else to a user who gives a password."""
+        if not self.users:
+            return self.get("/auth/token", auth=False)["access_token"]
+        username, password = next(iter(self.users.items()))
+        login = {"username": username, "password": password}
+        return self.request("POST", "/auth/token", login, auth=False)["access_token"]
 
     def _spawn(self, log_name: str, airflow_args: list[str]) -> subprocess.Popen:
         """`airflow ARGS` in a session of its own, its output appended to HOME/LOG_NAME.log."""
