@@ -19,7 +19,9 @@ workers are in the scheduler's group, each task runner in a group of its own). E
 started for a home carries `LOCALCLOUD_AIRFLOW_HOME=<home>` in its environment, which is how
 `stop()` finds what a killed component left behind (task runners) and how `start()` finds what
 a dead run left behind in the same home. Auth is the simple auth manager with every user an
-admin: `GET /auth/token` hands out the API token, no password involved.
+admin: `GET /auth/token` hands out the API token, no password involved. `Airflow(..., users={"admin":
+"pw"})` instead declares those users (admins) with those passwords: the UI asks them to log in and
+the API token comes from `POST /auth/token` with the first user's name and password.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class Airflow:
         dags_folder: Path | None = None,
         celery_broker_url: str | None = None,
         celery_workers: int = 2,
+        users: dict[str, str] | None = None,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -111,6 +114,7 @@ class Airflow:
         self.celery_broker_url = celery_broker_url
         self.workers = [f"celery-worker-{n}" for n in range(1, celery_workers + 1)] if celery_broker_url else []
         self.components = COMPONENTS + tuple(self.workers)
+        self.users = dict(users or {})
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -124,7 +128,7 @@ class Airflow:
         self._kill_marked()
         shutil.rmtree(self.home, ignore_errors=True)
         self.home.mkdir(parents=True)
-        self._env = self._component_env()
+        self._env = {**self._component_env(), **self._auth_settings()}
         atexit.register(self.stop)
         try:
             self._migrate(deadline)
@@ -336,10 +340,27 @@ class Airflow:
         )
         return all(f"{name}@" in done.stdout for name in self.workers)  # "->  NAME@HOST: OK"
 
+    def _auth_settings(self) -> dict[str, str]:
+        """With `users`, those users instead of every user an admin, their passwords in a file in
+        the home (written here: the auth manager only generates passwords it lacks)."""
+        if not self.users:
+            return {}
+        passwords_file = self.home / "simple_auth_manager_passwords.json"
+        passwords_file.write_text(json.dumps(self.users))
+        return {
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "false",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{name}:admin" for name in self.users),
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+        }
+
     def _new_token(self) -> str:
         """An admin's API token: the simple auth manager hands one out to anyone when every user
-        is an admin (`simple_auth_manager_all_admins`)."""
-        return self.get("/auth/token", auth=False)["access_token"]
+        is an admin (`simple_auth_manager_all_admins`), else to a user who gives a password."""
+        if not self.users:
+            return self.get("/auth/token", auth=False)["access_token"]
+        username, password = next(iter(self.users.items()))
+        login = {"username": username, "password": password}
+        return self.request("POST", "/auth/token", login, auth=False)["access_token"]
 
     def _spawn(self, log_name: str, airflow_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """`airflow ARGS` in a session of its own, its output appended to HOME/LOG_NAME.log."""
