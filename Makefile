@@ -13,10 +13,10 @@ MAXTEXT ?= real
 
 venv: $(VENV)/.synced
 
-$(VENV)/.synced: requirements.lock
+$(VENV)/.synced: requirements-dev.lock
 	@command -v uv >/dev/null || python3 -m pip install -q "uv==$(UV_VERSION)"
 	uv venv -q --allow-existing --python 3.11 $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip sync -q requirements.lock
+	VIRTUAL_ENV=$(VENV) uv pip sync -q requirements-dev.lock
 	@touch $@
 
 # Debian packages the local cloud and the tests need: OpenSSH's sshd plays each VM's SSH server;
@@ -51,4 +51,5 @@ test: venv system-deps
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 lock:
-	uv pip compile requirements-dev.txt --python-version 3.11 -o requirements.lock
+	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock
+	uv pip compile requirements-dev.txt --python-version 3.11 --constraints requirements.lock -o requirements-dev.lock

@@ -142,6 +142,21 @@ def test_the_dockerfile_builds_on_the_locked_airflow_and_python_and_installs_the
     assert ".env" in ignored  # the secrets never reach an image
 
 
+def locked_versions(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", path.read_text(), re.MULTILINE))
+
+
+def test_the_deployment_lock_carries_the_executor_and_database_and_no_test_tools():
+    deployed = locked_versions(REPO / "requirements.lock")
+    # What the official image has and installing the lock must keep (CeleryExecutor, PostgreSQL).
+    assert {"apache-airflow-providers-celery", "celery", "redis", "apache-airflow-providers-postgres", "psycopg2-binary"} <= set(deployed)
+    assert not {"pytest", "pytest-timeout", "hypothesis", "selenium"} & set(deployed)
+    # The tests' environment is the deployment's plus the test tools, at the same versions.
+    developed = locked_versions(REPO / "requirements-dev.lock")
+    assert {name: developed.get(name) for name in deployed} == deployed
+    assert {"pytest", "selenium"} <= set(developed)
+
+
 def test_every_variable_the_compose_file_needs_is_in_the_env_example():
     needed = {name for name, modifier in INTERPOLATION.findall(COMPOSE_FILE.read_text()) if modifier in ("", "?", ":?")}
     assert needed, "the pattern found no variable: it no longer matches the file"
