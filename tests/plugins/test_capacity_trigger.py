@@ -1,9 +1,11 @@
 """ReservationCapacityTrigger against the compute emulator: it fires when a machine is given back,
-times out at its deadline, reports a missing reservation, and survives serialization."""
+times out at its deadline, reports a missing reservation, reads again after a passing failure
+(but not after a refusal), and survives serialization."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from datetime import datetime, timezone
@@ -44,9 +46,12 @@ def reads_of(cloud, reservation: str) -> int:
     return sum(1 for r in cloud.requests() if r["method"] == "GET" and r["path"].endswith(f"/reservations/{reservation}"))
 
 
-def trigger_for(reservation: str, deadline: float, poll_interval: float = 0.2) -> ReservationCapacityTrigger:
+def trigger_for(
+    reservation: str, deadline: float, poll_interval: float = 0.2, gcp_conn_id: str = "google_cloud_default"
+) -> ReservationCapacityTrigger:
     return ReservationCapacityTrigger(
-        project_id=LOCAL_PROJECT, zone=LOCAL_ZONE, reservation=reservation, deadline=deadline, poll_interval=poll_interval
+        project_id=LOCAL_PROJECT, zone=LOCAL_ZONE, reservation=reservation, deadline=deadline,
+        poll_interval=poll_interval, gcp_conn_id=gcp_conn_id,
     )
 
 
@@ -91,6 +96,62 @@ def test_a_missing_reservation_is_an_error(local_cloud, pipeline_connections):
 
     assert event.payload["status"] == "error"
     assert "reservation no-such-reservation in local-project/us-east5-b does not exist" in event.payload["message"]
+
+
+@pytest.fixture
+def conn_without_client_retries(pipeline_connections, monkeypatch) -> str:
+    """The Google connection with the discovery client's own retries off (`num_retries` 0), so
+    each failed read reaches the trigger at once instead of after the client's backoff."""
+    google = json.loads(pipeline_connections["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"])
+    google["extra"]["num_retries"] = 0
+    monkeypatch.setenv("AIRFLOW_CONN_GCP_NO_CLIENT_RETRIES", json.dumps(google))
+    return "gcp_no_client_retries"
+
+
+@pytest.fixture
+def free_reservation(local_cloud, pipeline_connections):
+    name = f"trigger-free-{uuid.uuid4().hex[:8]}"
+    local_cloud.add_reservation(name, 1, **WHERE)
+    yield name
+    local_cloud.set_faults({})
+
+
+def failing_reads(reservation: str, status: int, count: int) -> dict:
+    return {"http_errors": [{"method": "GET", "path_regex": f"/reservations/{reservation}$", "status": status, "count": count}]}
+
+
+def test_passing_read_failures_do_not_end_the_wait(free_reservation, local_cloud, conn_without_client_retries):
+    local_cloud.set_faults(failing_reads(free_reservation, 503, 3))
+    local_cloud.clear_requests()
+
+    event = asyncio.run(first_event(trigger_for(free_reservation, time.time() + 60, gcp_conn_id=conn_without_client_retries)))
+
+    assert event.payload["status"] == "free", event.payload
+    assert reads_of(local_cloud, free_reservation) == 4  # three 503s, then the read that found it free
+
+
+def test_a_refused_read_ends_the_wait_at_once(free_reservation, local_cloud, conn_without_client_retries):
+    local_cloud.set_faults(failing_reads(free_reservation, 403, 1))
+    local_cloud.clear_requests()
+
+    event = asyncio.run(first_event(trigger_for(free_reservation, time.time() + 60, gcp_conn_id=conn_without_client_retries)))
+
+    assert event.payload["status"] == "error"
+    assert "403" in event.payload["message"], event.payload
+    assert reads_of(local_cloud, free_reservation) == 1
+
+
+def test_only_failed_reads_until_the_deadline_is_an_error_naming_the_failure(
+    free_reservation, local_cloud, conn_without_client_retries
+):
+    local_cloud.set_faults(failing_reads(free_reservation, 503, 1000))
+    deadline = time.time() + 1.5
+
+    event = asyncio.run(first_event(trigger_for(free_reservation, deadline, gcp_conn_id=conn_without_client_retries)))
+
+    assert time.time() >= deadline
+    assert event.payload["status"] == "error"
+    assert "503" in event.payload["message"], event.payload
 
 
 def test_serialize_round_trips_through_airflow_serde():

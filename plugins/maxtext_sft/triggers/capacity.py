@@ -5,6 +5,9 @@ Events (one, then the trigger ends):
   {"status": "timeout", "count": C, "in_use": U, "deadline": D}   nothing freed up before D
   {"status": "error", "message": ..., "deadline": D}              e.g. the reservation is gone
 Every event carries the deadline, so the operator it resumes needs nothing else to go on waiting.
+A read that fails for a passing reason (HTTP 429 or 5xx, after the client's own retries; a
+connection error) does not end the wait: the next poll reads again. Such failures until the
+deadline end it as a timeout when some read succeeded, else as an error naming the last failure.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
 
+from googleapiclient.errors import HttpError
+
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+
+
+def passing_failure(error: Exception) -> bool:
+    """A failure worth reading again for: throttling, a server error, the network."""
+    if isinstance(error, HttpError):
+        return error.resp.status == 429 or error.resp.status >= 500
+    return isinstance(error, OSError)  # connection refused or reset, a socket timeout
 
 
 def epoch_seconds(moment: float | int | str | datetime) -> float:
@@ -84,30 +96,39 @@ class ReservationCapacityTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         where = f"reservation {self.reservation} in {self.project_id}/{self.zone}"
+        last_read: tuple[int, int] | None = None  # (count, inUseCount) of the last read that worked
         while True:
-            # Read at least once, and last at the deadline: a timeout event always has a count.
+            # Read at least once, and last at the deadline.
             await asyncio.sleep(max(0.0, min(self.poll_interval, self.deadline - time.time())))
             try:
                 capacity = await asyncio.to_thread(self._read)
             except Exception as error:  # noqa: BLE001 - reported to the operator, which fails the try
-                yield TriggerEvent({"status": "error", "message": f"reading {where}: {error}", "deadline": self.deadline})
-                return
-            if capacity is None:
-                yield TriggerEvent({"status": "error", "message": f"{where} does not exist", "deadline": self.deadline})
-                return
-            count, in_use = capacity
-            if count - in_use >= 1:
-                yield TriggerEvent(
-                    {
-                        "status": "free",
-                        "free": count - in_use,
-                        "count": count,
-                        "checked_at": time.time(),
-                        "deadline": self.deadline,
-                    }
-                )
-                return
+                failure = f"reading {where}: {error}"
+                if not passing_failure(error):
+                    yield TriggerEvent({"status": "error", "message": failure, "deadline": self.deadline})
+                    return
+                self.log.warning("%s; reading again in %.0f s", failure, self.poll_interval)
+            else:
+                if capacity is None:
+                    yield TriggerEvent({"status": "error", "message": f"{where} does not exist", "deadline": self.deadline})
+                    return
+                count, in_use = last_read = capacity
+                if count - in_use >= 1:
+                    yield TriggerEvent(
+                        {
+                            "status": "free",
+                            "free": count - in_use,
+                            "count": count,
+                            "checked_at": time.time(),
+                            "deadline": self.deadline,
+                        }
+                    )
+                    return
+                self.log.info("%s: %d of %d machines in use; waiting for one to be free", where, in_use, count)
             if time.time() >= self.deadline:
-                yield TriggerEvent({"status": "timeout", "count": count, "in_use": in_use, "deadline": self.deadline})
+                if last_read is None:  # not one read worked: the last failure is the news
+                    yield TriggerEvent({"status": "error", "message": failure, "deadline": self.deadline})
+                else:
+                    count, in_use = last_read
+                    yield TriggerEvent({"status": "timeout", "count": count, "in_use": in_use, "deadline": self.deadline})
                 return
-            self.log.info("%s: %d of %d machines in use; waiting for one to be free", where, in_use, count)
