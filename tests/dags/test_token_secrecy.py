@@ -52,28 +52,54 @@ def files_holding(root: Path, secret: bytes) -> list[str]:
 
 
 class Inspector(threading.Thread):
-    """Meets each command at its barrier, looks for the token, then lets the command go on."""
+    """Meets each command at its barrier, looks for the token, then lets the command go on.
 
-    def __init__(self, cloud, secret: str):
+    A barrier never met (its step skipped, or the run failed before it) does not hang the run: a
+    later command held at its barrier is inspected at once, and after the deadline (or once the
+    run has ended: `finish()`) every barrier left is released; the missed ones are in `missed`,
+    for the test to name."""
+
+    def __init__(self, cloud, secret: str, deadline_seconds: float = 300):
         super().__init__(daemon=True)
-        self.cloud, self.secret = cloud, secret.encode()
+        self.cloud, self.secret, self.deadline_seconds = cloud, secret.encode(), deadline_seconds
         self.reached: list[str] = []
+        self.missed: list[str] = []
         self.leaks: list[str] = []
+        self.run_ended = threading.Event()
+
+    def held_vm(self, command: str) -> Path | None:
+        marker = f".standin-at-barrier-barrier-{command}"
+        return next((vm for vm in (self.cloud.state_dir / "vms").glob("*") if (vm / "shm" / marker).exists()), None)
+
+    def release(self, command: str) -> None:
+        (self.cloud.state_dir / "vm-etc" / f"barrier-{command}").unlink(missing_ok=True)
 
     def run(self) -> None:
-        for command in COMMANDS:
-            marker = f".standin-at-barrier-barrier-{command}"
-            deadline = time.monotonic() + 300
-            held = None
-            while held is None and time.monotonic() < deadline:
-                held = next((vm for vm in (self.cloud.state_dir / "vms").glob("*") if (vm / "shm" / marker).exists()), None)
+        waiting = list(COMMANDS)
+        while waiting:
+            deadline = time.monotonic() + self.deadline_seconds
+            held = {}
+            while not held and time.monotonic() < deadline and not self.run_ended.is_set():
+                held = {command: vm for command in waiting if (vm := self.held_vm(command))}
                 time.sleep(0.1)  # polling interval: the VMs' folders are read again each time
-            if held is None:
+            if not held:
+                self.missed += waiting
+                for command in waiting:
+                    self.release(command)
                 return
+            command = next(c for c in waiting if c in held)  # the earliest held; those before it were skipped
+            self.missed += waiting[: waiting.index(command)]
+            waiting = waiting[waiting.index(command) + 1 :]
             self.reached.append(command)
             self.leaks += [f"{command}: cmdline of {p}" for p in processes_showing(self.secret)]
-            self.leaks += [f"{command}: file {f}" for f in files_holding(held, self.secret)]
-            (self.cloud.state_dir / "vm-etc" / f"barrier-{command}").unlink()
+            self.leaks += [f"{command}: file {f}" for f in files_holding(held[command], self.secret)]
+            self.release(command)
+
+    def finish(self) -> None:
+        """The run has ended: what is still awaited was missed."""
+        self.run_ended.set()
+        self.join(timeout=10)
+        assert not self.is_alive(), "the inspector did not stop"
 
 
 def test_the_token_is_nowhere_but_in_the_steps_that_need_it(run_pipeline, local_cloud, monkeypatch):
@@ -104,8 +130,9 @@ def test_the_token_is_nowhere_but_in_the_steps_that_need_it(run_pipeline, local_
     finally:
         for command in COMMANDS:
             (local_cloud.state_dir / "vm-etc" / f"barrier-{command}").unlink(missing_ok=True)
-    inspector.join(timeout=10)
+    inspector.finish()
 
+    assert inspector.missed == [], f"barriers never met (their steps were not inspected): {inspector.missed}"
     assert run.state == "success", run.task_states
     assert inspector.reached == list(COMMANDS)  # every step that needs the token was inspected
     assert inspector.leaks == []
