@@ -11,7 +11,7 @@ import pytest
 
 from tests.plugins.test_loss_curve import decode_png
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "gcloud-tutorial-requests.json"
+REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "gcloud-tutorial-requests.json"
 TUTORIAL_VALUES = {"project_id": "my-project", "zone": "us-east5-b", "reservation": "my-reservation"}
 
 # Fields of the insert body that may differ from gcloud's, and why (see RunSpec.instance_body).
