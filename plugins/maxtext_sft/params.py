@@ -83,7 +83,9 @@ def pipeline_params() -> dict[str, Param]:
             "summary's estimated cost is the VM's hours times this. Informational only.", VM, minimum=0,
         ),
         "use_internal_ip": _param(
-            "use_internal_ip", "boolean", "SSH to the VM's internal IP (workers inside the VPC).", VM
+            "use_internal_ip", "boolean",
+            "SSH to the VM's internal IP (workers inside the VPC); the VM then gets no external IP "
+            "(its egress to PyPI and the Hub needs Cloud NAT).", VM,
         ),
         "os_login": _param(
             "os_login", "boolean",
@@ -93,7 +95,8 @@ def pipeline_params() -> dict[str, Param]:
         "ssh_via_iap": _param(
             "ssh_via_iap", "boolean",
             "SSH through an Identity-Aware Proxy TCP tunnel (gcloud on the workers; firewall open to "
-            "35.235.240.0/20 only); needs roles/iap.tunnelResourceAccessor.", VM,
+            "35.235.240.0/20 only); needs roles/iap.tunnelResourceAccessor. The VM gets no external IP "
+            "(its egress needs Cloud NAT).", VM,
         ),
         "model_name": _param("model_name", "string", "MaxText model name (MODEL_NAME).", MODEL),
         "model_revision": _param(

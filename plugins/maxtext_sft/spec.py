@@ -420,6 +420,11 @@ class RunSpec:
             *self.export_extra_args,
         ]
 
+    @property
+    def external_address(self) -> bool:
+        """Whether the VM gets an external IP: only when the workers SSH to it over one."""
+        return not (self.use_internal_ip or self.ssh_via_iap)
+
     def instance_body(self) -> dict[str, Any]:
         """The insert request body: the tutorial's gcloud request, with the differences commented.
 
@@ -446,9 +451,16 @@ class RunSpec:
                     "type_": "PERSISTENT",
                 }
             ],
+            # The tutorial's external address, unless the workers reach the VM inside the VPC or
+            # through IAP: then none (what `gcloud ... --no-address` sends), so a project under the
+            # compute.vmExternalIpAccess policy can run it (the VM's egress then needs Cloud NAT).
             "network_interfaces": [
                 {
-                    "access_configs": [{"name": "external-nat", "type_": "ONE_TO_ONE_NAT"}],
+                    **(
+                        {"access_configs": [{"name": "external-nat", "type_": "ONE_TO_ONE_NAT"}]}
+                        if self.external_address
+                        else {}
+                    ),
                     "network": f"projects/{project}/global/networks/{self.network}",
                 }
             ],

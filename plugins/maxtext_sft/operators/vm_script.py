@@ -29,7 +29,8 @@ def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
     hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
     try:
         return hook.get_instance_address(
-            zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id, use_internal_ip=spec.use_internal_ip
+            zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id,
+            use_internal_ip=not spec.external_address,
         )
     except HttpError as error:
         if error.resp.status == 404:
