@@ -24,7 +24,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.operators.compute import adoptable_instance, with_expiry_label
-from maxtext_sft.operators.vm_script import run_vm_step, ssh_login_works
+from maxtext_sft.operators.vm_script import SshLoginProbe, run_vm_step
 from maxtext_sft.spec import RunSpec
 
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM
@@ -103,7 +103,8 @@ class VmRecovery:
 
     def _wait_for_ssh(self) -> None:
         deadline = time.monotonic() + SSH_WAIT_SECONDS
-        while not ssh_login_works(self.spec, self.connections["gcp_conn_id"], self.connections["ssh_conn_id"], self.log):
+        login_works = SshLoginProbe(self.spec, self.connections["gcp_conn_id"], self.connections["ssh_conn_id"], self.log)
+        while not login_works():
             if time.monotonic() > deadline:
                 raise AirflowException(f"the recreated VM {self.spec.vm_name} did not answer SSH in {SSH_WAIT_SECONDS} s")
             time.sleep(SSH_CHECK_INTERVAL_SECONDS)  # polling interval: the VM is asked again each time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timezone
 
@@ -9,7 +10,7 @@ import pytest
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.hooks.vm_ssh import LoginRefused, VmSSHHook
 from maxtext_sft.spec import build_run_spec
 
 SSH_CONN_ID = "maxtext_sft_vm_ssh"
@@ -96,14 +97,13 @@ def test_a_command_past_its_deadline_raises(ssh):
 
 
 def test_root_cannot_log_in(vm):
-    import paramiko
-
     address, host_keys = vm
     hook = VmSSHHook(
         ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys, conn_timeout=10, conn_retry_attempts=1
     )
     hook.username = "root"
-    with pytest.raises(paramiko.AuthenticationException):
+    # A refused login fails without retries (not "still booting"), naming the host and user.
+    with pytest.raises(LoginRefused, match=rf"{re.escape(address)} refused the SSH login of root"):
         hook.get_conn()
 
 

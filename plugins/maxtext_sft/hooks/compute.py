@@ -33,6 +33,14 @@ def reservation_counts(reservation: dict) -> tuple[int, int]:
     return int(specific.get("count", 0)), int(specific.get("inUseCount", 0))
 
 
+def _metadata_value(resource: dict, key: str) -> str | None:
+    """A metadata item's value of an instance (or project, as {"metadata": ...}), or None."""
+    for item in (resource.get("metadata") or {}).get("items") or []:
+        if item.get("key") == key:
+            return item.get("value", "")
+    return None
+
+
 class ComputeEngineEndpointHook(ComputeEngineHook):
     """`ComputeEngineHook` that honours the connection extra `compute_api_endpoint`.
 
@@ -90,6 +98,25 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             except binascii.Error:
                 continue
         return keys
+
+    def os_login_enabled(self, resource_id: str, zone: str, project_id: str) -> bool | None:
+        """Whether OS Login is on for the VM by metadata: its instance's `enable-oslogin` wins over
+        the project's (Google's OS Login docs: instance metadata overrides project metadata).
+
+        None when neither sets it or the project cannot be read (compute.projects.get); an
+        organisation policy (constraints/compute.requireOsLogin) can enforce it unseen here.
+        """
+        instance = self._unless_missing(
+            self.get_conn().instances().get(project=project_id, zone=zone, instance=resource_id)
+        )
+        value = _metadata_value(instance or {}, "enable-oslogin")
+        if value is None:
+            try:
+                project = self.get_conn().projects().get(project=project_id).execute(num_retries=self.num_retries)
+            except HttpError:
+                return None
+            value = _metadata_value({"metadata": project.get("commonInstanceMetadata")}, "enable-oslogin")
+        return None if value is None else value.strip().upper() == "TRUE"
 
     def get_reservation(self, name: str, zone: str, project_id: str) -> dict | None:
         """The reservation resource (REST JSON), or None if the zone has none of that name."""

@@ -42,6 +42,14 @@ class HostKeyMismatch(AirflowFailException):
     """
 
 
+class LoginRefused(AirflowFailException):
+    """The VM's sshd refused the pipeline's user and key (authentication failed).
+
+    Not a "still booting" error: the VM answered. It fails the task without retries, which would
+    be refused too; the wait for a new VM tolerates it briefly (see vm_script.SshLoginProbe).
+    """
+
+
 class VmSSHHook(SSHHook):
     """One SSH client to one VM; no inactivity timeout, since real steps are silent for minutes.
 
@@ -75,6 +83,10 @@ class VmSSHHook(SSHHook):
     def get_conn(self) -> paramiko.SSHClient:
         try:
             return super().get_conn()
+        except paramiko.AuthenticationException as error:
+            raise LoginRefused(
+                f"{self.remote_host} refused the SSH login of {self.username} with the connection's key: {error}"
+            ) from None
         except paramiko.BadHostKeyException as error:
             raise HostKeyMismatch(
                 f"SSH host key of {self.remote_host} is {error.key.get_name()} {error.key.get_base64()[:24]}..., "

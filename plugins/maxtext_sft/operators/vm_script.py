@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import hf_token
 from maxtext_sft.hooks.os_login import os_login_username
-from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.hooks.vm_ssh import LoginRefused, VmSSHHook
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, parse_results, remote_command, script_files
 
@@ -79,16 +80,69 @@ def iap_tunnel_command(spec: RunSpec) -> str:
     ])
 
 
-def ssh_login_works(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> bool:
-    """Whether the VM accepts an SSH login as the pipeline's (non-root) user right now."""
-    try:
-        hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id, conn_retry_attempts=1)
-        with hook.get_conn():
-            status, _ = hook.run_command("true", timeout=60, on_line=log.info)
-    except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
-        log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
-        return False
-    return status == 0
+# A new VM's guest agent creates the user from the ssh-keys metadata shortly after sshd starts;
+# until then a login is refused. Refused for longer than this, something else refuses it.
+LOGIN_GRACE_SECONDS = 90
+
+
+class SshLoginProbe:
+    """Whether a new VM accepts an SSH login as the pipeline's (non-root) user yet.
+
+    Unreachable, no host keys published yet: still booting, False. A refused login is not booting:
+    if OS Login is on by metadata and the run does not use it, it fails at once (the VM ignores the
+    ssh-keys metadata the run's key is in); otherwise it is given LOGIN_GRACE_SECONDS from the
+    first refusal, then fails naming what may refuse it. Keep one probe for one wait.
+    """
+
+    def __init__(self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any):
+        self.spec = spec
+        self.gcp_conn_id = gcp_conn_id
+        self.ssh_conn_id = ssh_conn_id
+        self.log = log
+        self.first_refused: float | None = None
+
+    def __call__(self) -> bool:
+        spec = self.spec
+        try:
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
+            with hook.get_conn():
+                status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
+        except LoginRefused as refused:
+            return self._refused(refused)
+        except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
+            self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
+            return False
+        return status == 0
+
+    def _refused(self, refused: LoginRefused) -> bool:
+        spec = self.spec
+        os_login = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id).os_login_enabled(
+            resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
+        )
+        if os_login and not spec.os_login:
+            raise LoginRefused(
+                f"{refused} OS Login is enabled for VM {spec.vm_name} (metadata enable-oslogin=TRUE, set on "
+                "the project or its organisation), so the VM ignores the ssh-keys metadata that holds this "
+                "run's key. Set the Param os_login to log in through OS Login as the Google connection's "
+                "account (roles/compute.osAdminLogin), or disable OS Login for these VMs."
+            ) from None
+        now = time.monotonic()
+        self.first_refused = self.first_refused or now
+        if now - self.first_refused < LOGIN_GRACE_SECONDS:
+            self.log.info("VM %s refused the login, maybe before its guest agent made the user: %s", spec.vm_name, refused)
+            return False
+        if spec.os_login:
+            why = (
+                "With the Param os_login the VM takes the key imported into the Google connection "
+                "account's OS Login profile: that account needs roles/compute.osAdminLogin on the VM."
+            )
+        else:
+            why = (
+                "The ssh-keys metadata holds this run's key; a VM ignores it when OS Login is enforced "
+                "(the organisation policy constraints/compute.requireOsLogin, or enable-oslogin=TRUE where "
+                "this account cannot read it): then set the Param os_login."
+            )
+        raise LoginRefused(f"{refused} (for {LOGIN_GRACE_SECONDS} s). {why}") from None
 
 
 class VmScriptOperator(BaseOperator):

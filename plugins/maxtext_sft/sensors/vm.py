@@ -15,7 +15,7 @@ from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.operators.vm_script import (
     TRANSIENT_SSH_ERRORS,
     HostKeysNotPublished,
-    ssh_login_works,
+    SshLoginProbe,
     vm_ssh_hook,
 )
 from maxtext_sft.spec import RunSpec
@@ -39,10 +39,14 @@ class _VmSensor(BaseSensorOperator):
 class VmSshReadySensor(_VmSensor):
     """Wait until the VM accepts an SSH login as the pipeline's (non-root) user."""
 
+    _login_probe: SshLoginProbe | None = None
+
     def poke(self, context) -> bool:
         spec = RunSpec.from_dict(self.spec)
+        if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
+            self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         try:
-            return ssh_login_works(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
+            return self._login_probe()
         except NotFound:
             raise AirflowFailException(f"VM {spec.vm_name} no longer exists: {VM_GONE}") from None
 
