@@ -1,4 +1,5 @@
-"""Where the project's include/ folder is: VM scripts (vm/), declared jobs (jobs/), eval (eval/).
+"""Folders of the project on a worker: include/ (VM scripts, declared jobs, eval) and where runs
+without an output location keep their export.
 
 Beside plugins/ by default (the Astronomer and docker-compose layout). The environment variable
 MAXTEXT_SFT_INCLUDE_DIR names the folder instead where a deployment puts it elsewhere, e.g.
@@ -11,7 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from airflow.sdk import conf
+
 
 def include_dir() -> Path:
     override = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR")
     return Path(override) if override else Path(__file__).resolve().parents[2] / "include"
+
+
+def local_output_dir() -> Path:
+    """Where runs without an output location keep their export: `[maxtext_sft] local_output_dir`."""
+    default = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "maxtext-sft-outputs"
+    return Path(conf.get("maxtext_sft", "local_output_dir", fallback=str(default)))

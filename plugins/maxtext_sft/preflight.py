@@ -6,6 +6,8 @@ task (no retries) listing every failure, so one trigger shows every problem of a
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import HfApi
@@ -20,6 +22,16 @@ from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, reservation_counts
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.paths import local_output_dir
+from maxtext_sft.sizing import (
+    GB,
+    HOST_MEMORY_BYTES,
+    MAXTEXT_VENV_BYTES,
+    OS_ALLOWANCE_BYTES,
+    gb,
+    run_sizes,
+    saved_steps,
+)
 from maxtext_sft.spec import RunSpec
 
 
@@ -125,6 +137,62 @@ def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
     return f"output_location {spec.output_location} is writable"
 
 
+def check_room(spec: RunSpec, *, worker_free_bytes: int | None) -> str:
+    """What the run writes fits where it writes it, at the real model's size (see sizing.py):
+    the VM's boot disk (the Hub download, the MaxText venv, the OS), its /dev/shm (the tutorial's
+    scratch: the export always, the conversion and every training checkpoint when they stay on the
+    VM) and, without an output location, the worker's local_output_dir (the export, copied there).
+    `worker_free_bytes`: free space of that folder's file system (None: not checked)."""
+    sizes = run_sizes(spec.model_name)
+    if sizes is None:
+        return f"sizes not checked: no shape known for model {spec.model_name} (sizing.MODEL_SHAPES)"
+    problems = []
+    download = sizes.hf_download if checkpoint_repo(spec) else 0
+    boot_need = OS_ALLOWANCE_BYTES + MAXTEXT_VENV_BYTES + download
+    boot = spec.boot_disk_size_gb * GB
+    if boot_need > boot:
+        problems.append(
+            f"the boot disk of {spec.boot_disk_size_gb} GB cannot hold {gb(boot_need)} (the {spec.model_name} "
+            f"download {gb(download)}, the MaxText venv {gb(MAXTEXT_VENV_BYTES)}, the OS {gb(OS_ALLOWANCE_BYTES)}): "
+            "raise the Param boot_disk_size_gb"
+        )
+    scratch_need = sizes.export
+    what = f"the export {gb(sizes.export)}"
+    if not spec.durable:
+        kept = saved_steps(spec.steps, spec.checkpoint_period)
+        scratch_need += sizes.converted_checkpoint + kept * sizes.training_checkpoint
+        what += (
+            f", the converted checkpoint {gb(sizes.converted_checkpoint)} and {kept} training checkpoints of "
+            f"{gb(sizes.training_checkpoint)} (steps {spec.steps}, checkpoint_period {spec.checkpoint_period})"
+        )
+    memory = HOST_MEMORY_BYTES.get(spec.machine_type)
+    if memory is not None and scratch_need > memory // 2:
+        problems.append(
+            f"/dev/shm on {spec.machine_type} (a RAM disk of half its {gb(memory)} memory, {gb(memory // 2)}) "
+            f"cannot hold {gb(scratch_need)}: {what}. Set output_location so checkpoints go to storage, or a "
+            "larger checkpoint_period"
+        )
+    if not spec.durable and worker_free_bytes is not None and sizes.export > worker_free_bytes:
+        problems.append(
+            f"the worker's local_output_dir has {gb(worker_free_bytes)} free, not the {gb(sizes.export)} of the "
+            "export collect_outputs copies there: set output_location, or [maxtext_sft] local_output_dir to a "
+            "larger file system"
+        )
+    if problems:
+        raise PreflightFailed("; ".join(problems))
+    return (
+        f"{spec.model_name} ({sizes.text_parameters / 1e9:.2f}B parameters trained) fits: boot disk needs "
+        f"{gb(boot_need)} of {spec.boot_disk_size_gb} GB, /dev/shm {gb(scratch_need)}"
+    )
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space of the file system `folder` is (or will be) on."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
 def run_preflight(
     spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any, capacity_gate: bool = False
 ) -> list[str]:
@@ -143,6 +211,7 @@ def run_preflight(
             ),
         ),
         ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
     ]
     found, failures = [], []
     token_invalid = False

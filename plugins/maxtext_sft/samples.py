@@ -19,6 +19,7 @@ from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.paths import include_dir
+from maxtext_sft.sizing import gb
 
 GENERATION_TIMEOUT_SECONDS = 1800
 
@@ -62,9 +63,53 @@ def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
     return into
 
 
+# generate_samples.py loads the weights as float32, twice their bf16 bytes on disk, and needs room
+# beside them for the interpreter, torch and the activations of a short greedy generation.
+LOAD_MEMORY_PER_MODEL_BYTE = 2.5
+
+
+def model_bytes(location: str, *, gcp_conn_id: str) -> int:
+    """Size of the export at `location` (gs://..., or HOST:/path on this worker) before copying it."""
+    if location.startswith("gs://"):
+        return StorageEndpointHook(gcp_conn_id=gcp_conn_id).bytes_under(location)
+    folder = Path(location.partition(":")[2])
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give a new process without swapping (Linux MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def check_worker_can_load(size: int, *, available_memory: int, free_disk: int, location: str) -> None:
+    """Refuse, with the numbers, a model this worker cannot copy or load: a real 4B export is
+    7.8 GB and needs about 20 GB of memory here, which a small Airflow worker does not have."""
+    need = int(size * LOAD_MEMORY_PER_MODEL_BYTE)
+    problems = []
+    if size > free_disk:
+        problems.append(f"its temporary folder has {gb(free_disk)} free for the model's {gb(size)}")
+    if need > available_memory:
+        problems.append(f"loading it takes about {gb(need)} of memory and {gb(available_memory)} is available")
+    if problems:
+        raise AirflowFailException(
+            f"This worker cannot generate from {location}: " + "; ".join(problems)
+            + ". Run this DAG on a worker queue with the room (e.g. default_args queue), or for a model this size "
+            "on an accelerator machine."
+        )
+
+
 def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_tokens: int, log) -> dict[str, Any]:
     """Generate one completion per prompt of include/eval/prompts.txt from the model of an Asset event."""
     python = generation_python()
+    check_worker_can_load(
+        model_bytes(model["location"], gcp_conn_id=gcp_conn_id),
+        available_memory=available_memory_bytes(),
+        free_disk=shutil.disk_usage(tempfile.gettempdir()).free,
+        location=model["location"],
+    )
     with tempfile.TemporaryDirectory(prefix="tuned-model-") as folder:
         model_dir = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
         log.info("Generating from %s (run %s, dataset %s@%s)", model["location"], model["run_name"],

@@ -45,6 +45,11 @@ CASES = [
     ),
     Case("reservation of another machine type", {"reservation": "preflight-v5e"}, cause="holds ct5lp-hightpu-8t machines"),
     Case("output location not writable", {"output_location": "gs://no-such-bucket/runs"}, cause="is not writable"),
+    Case(
+        "no room for a real gemma3-4b on the boot disk and in /dev/shm",
+        {"boot_disk_size_gb": 40, "checkpoint_period": 10, "steps": 1000},
+        cause="room: the boot disk of 40 GB cannot hold 50.6 GB",
+    ),
 ]
 
 

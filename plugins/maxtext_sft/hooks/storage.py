@@ -72,3 +72,8 @@ class StorageEndpointHook(GCSHook):
         """Object names directly or deeper under `folder_uri`, relative to it, sorted."""
         bucket, prefix = split_gcs_uri(folder_uri)
         return sorted(name[len(prefix) + 1 :] for name in self.list(bucket, prefix=f"{prefix}/"))
+
+    def bytes_under(self, folder_uri: str) -> int:
+        """Total size of the objects under `folder_uri`."""
+        bucket, prefix = split_gcs_uri(folder_uri)
+        return sum(blob.size or 0 for blob in self.get_conn().list_blobs(bucket, prefix=f"{prefix}/"))

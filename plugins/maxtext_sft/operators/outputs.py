@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import tempfile
 from collections.abc import Sequence
@@ -11,11 +10,11 @@ from pathlib import Path
 
 from google.api_core.exceptions import NotFound
 
-from airflow.sdk import BaseOperator, conf
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
-from maxtext_sft.hooks.vm_ssh import RemoteCommandError, VmSSHHook
+from maxtext_sft.hooks.vm_ssh import LoginRefused, RemoteCommandError, VmSSHHook
 from maxtext_sft.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.loss_curve import LossHistory, downsample, parse_loss_history, render_loss_curve
 from maxtext_sft.operators.vm_script import TRANSIENT_SSH_ERRORS, HostKeysNotPublished, vm_ssh_hook
@@ -29,17 +28,12 @@ from maxtext_sft.outputs import (
     model_card,
     run_record,
 )
+from maxtext_sft.paths import local_output_dir
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 # Files an export must have to be a model (to_huggingface writes these and the tokenizer's).
 REQUIRED_EXPORT_FILES = ("config.json", "model.safetensors")
-
-
-def local_output_dir() -> Path:
-    """Where runs without an output location keep their export: `[maxtext_sft] local_output_dir`."""
-    default = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "maxtext-sft-outputs"
-    return Path(conf.get("maxtext_sft", "local_output_dir", fallback=str(default)))
 
 
 class CollectOutputsOperator(BaseOperator):
@@ -146,7 +140,7 @@ class CollectOutputsOperator(BaseOperator):
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
             with hook.get_conn():
                 return self._loss_history(spec, hook)
-        except (NotFound, HostKeysNotPublished, RemoteCommandError, *TRANSIENT_SSH_ERRORS) as error:
+        except (NotFound, HostKeysNotPublished, LoginRefused, RemoteCommandError, *TRANSIENT_SSH_ERRORS) as error:
             self.log.warning("No loss curve: could not read the training log on %s: %s", spec.vm_name, error)
             return None
 
