@@ -261,6 +261,40 @@ class LocalCloud:
         body = {"project": project, "zone": zone, "name": name, "count": count, "machine_type": machine_type}
         return self._control("POST", "reservations", body)
 
+    def set_project_metadata(self, project: str, items: dict[str, str | None]) -> dict:
+        """Set (or, with None, remove) project-wide metadata items of `project` through the
+        Compute API, the way `gcloud compute project-info add-metadata` does: projects.get for
+        the fingerprint, projects.setCommonInstanceMetadata, then the global operation until
+        DONE (every VM's guest agent of the project has applied it then). Returns the metadata."""
+        project_url = f"{self.compute_endpoint}projects/{urllib.parse.quote(project, safe='')}"
+        current = self._api("GET", project_url)["commonInstanceMetadata"]
+        merged = {item["key"]: item.get("value") for item in current.get("items") or []}
+        merged.update(items)
+        body = {
+            "fingerprint": current["fingerprint"],
+            "items": [{"key": k, "value": v} for k, v in merged.items() if v is not None],
+        }
+        op = self._api("POST", f"{project_url}/setCommonInstanceMetadata", body)
+        while op["status"] != "DONE":
+            # operations.wait answers within 2 minutes, DONE or not.
+            op = self._api("POST", f"{project_url}/global/operations/{op['name']}/wait", timeout=130)
+        if "error" in op:
+            raise LocalCloudError(f"setCommonInstanceMetadata of {project}: {op['error']}")
+        return self._api("GET", project_url)["commonInstanceMetadata"]
+
+    def _api(self, method: str, url: str, body: object = None, timeout: float = 30.0) -> dict:
+        request = urllib.request.Request(
+            url,
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise LocalCloudError(f"{method} {url}: {exc.code} {exc.read().decode(errors='replace')}") from None
+
     def add_image(self, key: str, image_dir: Path) -> None:
         """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""
         self.images[key] = Path(image_dir)

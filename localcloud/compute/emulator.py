@@ -7,6 +7,10 @@ worker thread carries it to DONE. Links in responses use the request's own schem
 Emulator-only control paths are under /_localcloud/ (see `ControlApi`); nothing there is
 part of the Compute Engine API.
 
+Zones and machine types come from catalog.py: an unknown one is refused with the API's errors.
+Projects carry commonInstanceMetadata (projects.get / setCommonInstanceMetadata, a global
+operation); the guest-agent role reads it with each instance's metadata (OS Login, guest.py).
+
 Reservations are read-only through the API (reservations.get and list); tests create them with
 the control call POST /_localcloud/reservations. An insert that targets a reservation by name
 (SPECIFIC_RESERVATION) is refused as Compute Engine refuses it when the reservation is missing
@@ -36,7 +40,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._daemon import RequestLog
-from . import errors
+from . import catalog, errors
 from .errors import ApiError
 from .filters import parse_filter
 from .guest import GuestAccounts, metadata_value
@@ -52,7 +56,6 @@ LEASE_DIR = Path("/tmp/localcloud-ip-leases")
 OPERATION_USER = "localcloud-user@localcloud.invalid"
 
 _NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
-_ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
 _LABEL_KEY = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 _LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 _URL_PREFIX = re.compile(r"^https?://[^/]+/compute/(?:v1|beta|alpha)/")
@@ -553,6 +556,13 @@ class Instance:
         return f"projects/{self.project}/zones/{self.zone}/instances/{self.name}"
 
     @property
+    def fqdn(self) -> str:
+        """The hostname the metadata server gives the guest: the instance's `hostname` if it was
+        set, else NAME.ZONE.c.PROJECT.internal (zonal DNS, the vmDnsSetting projects.get reports;
+        the discovery document's description of Instance.hostname)."""
+        return self.resource.get("hostname") or f"{self.name}.{self.zone}.c.{self.project}.internal"
+
+    @property
     def status(self) -> str:
         return self.resource["status"]
 
@@ -601,6 +611,7 @@ class ComputeEmulator:
         self.operations: dict[tuple[str, str, str], dict] = {}
         self.request_ids: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.reservations: dict[tuple[str, str, str], Reservation] = {}
+        self.project_metadata: dict[str, dict] = {}  # project → commonInstanceMetadata
         self.ip_leases: dict[str, int] = {}  # address -> fd holding its machine-wide flock
         self.faults = Faults()
         self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
@@ -614,6 +625,7 @@ class ComputeEmulator:
 
     ROUTES = [
         ("GET", r"projects/(?P<project>[^/]+)", "get_project"),
+        ("POST", r"projects/(?P<project>[^/]+)/setCommonInstanceMetadata", "set_common_instance_metadata"),
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)", "get_zone"),
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances", "list_instances"),
         ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances", "insert_instance"),
@@ -633,6 +645,11 @@ class ComputeEmulator:
             r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/reservations/(?P<reservation>[^/]+)",
             "get_reservation",
         ),
+        ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations", "list_operations"),
+        ("GET", r"projects/(?P<project>[^/]+)/aggregated/operations", "aggregated_list_operations"),
+        ("GET", r"projects/(?P<project>[^/]+)/global/operations", "list_global_operations"),
+        ("GET", r"projects/(?P<project>[^/]+)/global/operations/(?P<operation>[^/]+)", "get_global_operation"),
+        ("POST", r"projects/(?P<project>[^/]+)/global/operations/(?P<operation>[^/]+)/wait", "wait_global_operation"),
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)", "get_operation"),
         ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_operation"),
     ]
@@ -645,6 +662,8 @@ class ComputeEmulator:
             m = pattern.fullmatch(rest)
             if m and route_method == method:
                 params = {k: unquote(v) for k, v in m.groupdict().items()}
+                if "zone" in params and handler != "get_zone" and not catalog.known_zone(params["zone"]):
+                    raise errors.unknown_zone(params["zone"])
                 return 200, getattr(self, handler)(req=req, **params)
         raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server (localcloud).")
 
@@ -654,12 +673,14 @@ class ComputeEmulator:
         # No `defaultServiceAccount`: like a project whose Compute Engine default service
         # account was removed. gcloud then sends no serviceAccounts, matching the captured
         # reference requests of the tutorial.
+        with self.lock:
+            metadata = copy.deepcopy(self._project_metadata(project))
         return {
             "kind": "compute#project",
             "id": str(zlib.crc32(project.encode()) + 10**11),
             "creationTimestamp": "2024-01-01T00:00:00.000-00:00",
             "name": project,
-            "commonInstanceMetadata": {"kind": "compute#metadata", "fingerprint": "localcloud0="},
+            "commonInstanceMetadata": metadata,
             "quotas": [],
             "selfLink": Link(f"projects/{project}"),
             "xpnProjectStatus": "UNSPECIFIED_XPN_PROJECT_STATUS",
@@ -667,8 +688,59 @@ class ComputeEmulator:
             "vmDnsSetting": "ZONAL_ONLY",
         }
 
+    def _project_metadata(self, project: str) -> dict:
+        """A project's commonInstanceMetadata (under the lock); a new project has none."""
+        return self.project_metadata.setdefault(project, {"kind": "compute#metadata", "fingerprint": "localcloud0="})
+
+    def set_common_instance_metadata(self, project: str, req: Request) -> dict:
+        """projects.setCommonInstanceMetadata, what `gcloud compute project-info add-metadata`
+        sends (the whole item list with the fingerprint from projects.get): a global operation.
+        The guest agent of every VM of the project then applies it (OS Login, see guest.py)."""
+        body = _validated_body(req, "compute.projects.setCommonInstanceMetadata", "Metadata", "metadata_resource")
+        request_id = _one(req.query, "requestId")
+        with self.lock:
+            if replayed := self._replayed(project, request_id):
+                return replayed
+            if body.get("fingerprint") != self._project_metadata(project)["fingerprint"]:
+                raise errors.fingerprint_mismatch()
+            self._check_metadata(body, "resource")
+            self.project_metadata[project] = _stored_metadata(body)
+            # A global operation; its operationType is named like the zonal ones are (the
+            # method's name: "setMetadata" for instances.setMetadata).
+            op = self._register_operation(
+                project, None, "setCommonInstanceMetadata", f"projects/{project}",
+                str(zlib.crc32(project.encode()) + 10**11), request_id,
+            )
+            instances = [i for i in self.instances.values() if i.project == project]
+        threading.Thread(target=self._run_project_metadata, args=(instances, op), daemon=True).start()
+        return copy.deepcopy(op)
+
+    def _run_project_metadata(self, instances: list[Instance], op: dict) -> None:
+        self._op_running(op)
+        try:
+            for inst in instances:
+                self._apply_guest_accounts(inst)
+        except Exception as exc:
+            log.exception("applying project metadata failed")
+            self._op_done(op, ("INTERNAL_ERROR", f"localcloud: {exc}"), 500)
+            return
+        self._op_done(op)
+
+    def _apply_guest_accounts(self, inst: Instance) -> None:
+        """The guest agent's account pass on `inst`'s VM, from its instance and project metadata.
+        Also for a VM whose sshd has not started yet (ssh_refused) or that is stopped: the agent
+        applies the keys when it runs."""
+        with inst.work_lock:
+            with self.lock:
+                metadata = copy.deepcopy(inst.resource["metadata"])
+                project_metadata = copy.deepcopy(self._project_metadata(inst.project))
+            if inst.vm is not None and inst.vm.root.is_dir():
+                GuestAccounts(inst.vm.root, _skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
+
     def get_zone(self, project: str, zone: str, req: Request) -> dict:
-        if not _ZONE.fullmatch(zone):
+        # zones.get of a zone that does not exist: 404 notFound (gke-terraform-generator#24),
+        # while zonal methods answer 400 "Unknown zone." (see dispatch).
+        if not catalog.known_zone(zone):
             raise errors.not_found(f"projects/{project}/zones/{zone}")
         return {
             "kind": "compute#zone",
@@ -720,8 +792,9 @@ class ComputeEmulator:
         page, token = self._page(resources, req)
         items: dict[str, dict] = {}
         for resource in page:
-            zone = resource["zone"].path.rsplit("/", 1)[1]
-            items.setdefault(f"zones/{zone}", {collection: []})[collection].append(resource)
+            zone = resource.get("zone")
+            scope = f"zones/{zone.path.rsplit('/', 1)[1]}" if zone else "global"
+            items.setdefault(scope, {collection: []})[collection].append(resource)
         path = f"projects/{project}/aggregated/{collection}"
         result = {"kind": kind, "id": path, "items": items, "selfLink": Link(path)}
         if token:
@@ -749,8 +822,6 @@ class ComputeEmulator:
         return page, token
 
     def insert_instance(self, project: str, zone: str, req: Request) -> dict:
-        if not _ZONE.fullmatch(zone):
-            raise errors.invalid_field_value("zone", zone, "Unknown zone.")
         body = _validated_body(req, "compute.instances.insert", "Instance", "instance_resource")
         request_id = _one(req.query, "requestId")
         with self.lock:
@@ -903,8 +974,8 @@ class ComputeEmulator:
         count, machine_type = settings["count"], settings["machine_type"]
         if not all(isinstance(v, str) and v for v in (project, machine_type)):
             raise errors.invalid(expected)
-        if not isinstance(zone, str) or not _ZONE.fullmatch(zone):
-            raise errors.invalid_field_value("zone", zone, "Unknown zone.")
+        if not isinstance(zone, str) or not catalog.known_zone(zone):
+            raise errors.unknown_zone(zone)
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise errors.invalid_field_value("name", name, f"Must be a match of regex '{_NAME.pattern}'")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
@@ -931,6 +1002,9 @@ class ComputeEmulator:
             raise errors.invalid_field_value(
                 "resource.machineType", machine_type, f"Machine type must be in zone '{zone}' like the instance."
             )
+        machine_name = m.group(2)
+        if not catalog.offers(zone, machine_name):
+            raise errors.unknown_machine_type(machine_type, machine_name, zone)
         disks = body.get("disks")
         if not disks:
             raise errors.required_field("resource.disks")
@@ -967,6 +1041,8 @@ class ComputeEmulator:
             scheduling=self._scheduling(body.get("scheduling") or {}),
             reservationAffinity=body.get("reservationAffinity") or {"consumeReservationType": "ANY_RESERVATION"},
         )
+        self._check_host_maintenance(machine_name, body.get("scheduling") or {}, resource["scheduling"])
+        self._check_reservation_bound(resource["scheduling"], body.get("reservationAffinity") or {})
         for i, nic in enumerate(resource["networkInterfaces"]):
             network = relative_url(nic.get("network") or "global/networks/default")
             if not network.startswith("projects/"):
@@ -1004,6 +1080,10 @@ class ComputeEmulator:
                 autoDelete=disk.get("autoDelete", False),
                 diskSizeGb=str(params.get("diskSizeGb", "10")),
             )
+            # Input-only fields are not returned (the discovery document marks AttachedDisk's
+            # initializeParams and forceAttach "[Input Only]"; Instance.params likewise).
+            disk.pop("initializeParams", None)
+            disk.pop("forceAttach", None)
         return resource, image_dir
 
     def _resolve_boot_image(self, project: str, disk: dict, field: str) -> Path | None:
@@ -1042,8 +1122,12 @@ class ComputeEmulator:
         a termination action without a time limit only with the Spot, Reservation-Bound or
         Flex Start provisioning model.
         """
+        # The discovery document's Scheduling.onHostMaintenance: "For standard instances, the
+        # default behavior is MIGRATE. For preemptible instances, the default and only possible
+        # behavior is TERMINATE" (Spot VMs are the preemptible ones of today).
+        spot = requested.get("preemptible") is True or requested.get("provisioningModel") == "SPOT"
         scheduling = {
-            "onHostMaintenance": "MIGRATE",
+            "onHostMaintenance": "TERMINATE" if spot else "MIGRATE",
             "automaticRestart": True,
             "preemptible": False,
             "provisioningModel": "STANDARD",
@@ -1111,6 +1195,56 @@ class ComputeEmulator:
         return scheduling
 
     @staticmethod
+    def _check_host_maintenance(machine_name: str, requested: dict, scheduling: dict) -> None:
+        """TPU VMs cannot live-migrate ("VMs with GPUs or TPUs do not support live migration",
+        cloud.google.com/docs/get-started/consider-resource-maintenance): onHostMaintenance must
+        be TERMINATE. The API's two refusals, as reported for accelerator machine types:
+        - MIGRATE asked for: "Invalid value for field 'resource.scheduling.onHostMaintenance':
+          'MIGRATE'. Scheduling must have onHostMaintenance be one of the following valid types:
+          [TERMINATE]. But was MIGRATE" (a3-highgpu-1g, aerospike-community/aerolab#503);
+        - none given, so the default MIGRATE applies: "Instances with guest accelerators do not
+          support live migration.", 400 badRequest (gcloud without --maintenance-policy for
+          g2-standard-4, loft-sh/devpod#973; juju/juju#20464).
+        """
+        if not catalog.is_tpu(machine_name) or scheduling.get("onHostMaintenance") != "MIGRATE":
+            return
+        if requested.get("onHostMaintenance") == "MIGRATE":
+            raise errors.invalid_field_value(
+                "resource.scheduling.onHostMaintenance",
+                "MIGRATE",
+                "Scheduling must have onHostMaintenance be one of the following valid types: [TERMINATE]. "
+                "But was MIGRATE",
+            )
+        raise ApiError(400, "badRequest", "Instances with guest accelerators do not support live migration.")
+
+    @staticmethod
+    def _check_reservation_bound(scheduling: dict, affinity: dict) -> None:
+        """The reservation-bound provisioning model only with an instance that targets a specific
+        reservation by name (cloud.google.com/compute/docs/instances/about-reservation-bound-vms,
+        "VM creation requirements": the VM must specifically target the reservation; gcloud's
+        own --provisioning-model help says the same and gcloud checks nothing itself).
+
+        No public capture of the API's message for this case was found. The shape is the one the
+        API uses for the converse rule, a STANDARD instance consuming a DENSE reservation
+        ("Invalid value for field 'resource.scheduling.provisioningModel': 'STANDARD'. Instances
+        consuming DENSE reservations must use provisioningModel RESERVATION_BOUND.", 400,
+        skypilot-org/skypilot#9771); the sentence after the value is this emulator's.
+        """
+        if scheduling.get("provisioningModel") != "RESERVATION_BOUND":
+            return
+        if (
+            affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION"
+            and affinity.get("key") == RESERVATION_NAME_KEY
+            and affinity.get("values")
+        ):
+            return
+        raise errors.invalid_field_value(
+            "resource.scheduling.provisioningModel",
+            "RESERVATION_BOUND",
+            "Instances with provisioningModel RESERVATION_BOUND must consume a specific reservation.",
+        )
+
+    @staticmethod
     def _check_labels(labels: dict, field: str) -> None:
         if len(labels) > 64:
             raise errors.invalid_field_value(field, "", "Too many labels: at most 64.")
@@ -1157,9 +1291,12 @@ class ComputeEmulator:
             if inst.deleting:
                 raise errors.not_ready(inst.path)
             if inst.resource.get("deletionProtection"):
+                # "googleapi: Error 400: Invalid resource usage: 'Resource cannot be deleted if
+                # it's protected against deletion.'., invalidResourceUsage"
+                # (hashicorp/terraform-provider-google#1211).
                 raise ApiError(
                     400,
-                    "resourceInUseByAnotherResource",
+                    "invalidResourceUsage",
                     "Invalid resource usage: 'Resource cannot be deleted if it's protected against deletion.'.",
                 )
             previous_status = inst.status
@@ -1241,43 +1378,85 @@ class ComputeEmulator:
         return None
 
     def _new_operation(self, inst: Instance, operation_type: str, request_id: str | None) -> dict:
+        """A zonal operation on instance `inst` (under the lock)."""
+        return self._register_operation(
+            inst.project, inst.zone, operation_type, inst.path, inst.resource["id"], request_id
+        )
+
+    def _register_operation(
+        self,
+        project: str,
+        zone: str | None,
+        operation_type: str,
+        target_path: str,
+        target_id: str,
+        request_id: str | None,
+    ) -> dict:
+        """A new PENDING operation (under the lock): zonal, or global when `zone` is None (a
+        global operation has no `zone` field)."""
         name = new_operation_name()
+        scope = f"projects/{project}/zones/{zone}" if zone else f"projects/{project}/global"
         op = {
             "kind": "compute#operation",
             "id": new_id(),
             "name": name,
-            "zone": Link(f"projects/{inst.project}/zones/{inst.zone}"),
+            **({"zone": Link(scope)} if zone else {}),
             "operationType": operation_type,
-            "targetLink": Link(inst.path),
-            "targetId": inst.resource["id"],
+            "targetLink": Link(target_path),
+            "targetId": target_id,
             "status": "PENDING",
             "user": OPERATION_USER,
             "progress": 0,
             "insertTime": now_rfc3339(),
-            "selfLink": Link(f"projects/{inst.project}/zones/{inst.zone}/operations/{name}"),
+            "selfLink": Link(f"{scope}/operations/{name}"),
         }
         if request_id:
             op["clientOperationId"] = request_id
-            self.request_ids[(inst.project, request_id)] = (inst.project, inst.zone, name)
-        self.operations[(inst.project, inst.zone, name)] = op
+            self.request_ids[(project, request_id)] = (project, zone, name)
+        self.operations[(project, zone, name)] = op
         return op
 
-    def _operation(self, project: str, zone: str, name: str) -> dict:
+    def _operation(self, project: str, zone: str | None, name: str) -> dict:
         op = self.operations.get((project, zone, name))
         if op is None:
-            raise errors.not_found(f"projects/{project}/zones/{zone}/operations/{name}")
+            scope = f"zones/{zone}" if zone else "global"
+            raise errors.not_found(f"projects/{project}/{scope}/operations/{name}")
         return op
 
     def get_operation(self, project: str, zone: str, operation: str, req: Request) -> dict:
         with self.lock:
             return copy.deepcopy(self._operation(project, zone, operation))
 
-    def wait_operation(self, project: str, zone: str, operation: str, req: Request) -> dict:
+    def get_global_operation(self, project: str, operation: str, req: Request) -> dict:
+        return self.get_operation(project, None, operation, req)
+
+    def wait_operation(self, project: str, zone: str | None, operation: str, req: Request) -> dict:
         # Like the real `wait`: returns when DONE or after a bounded time (2 min there).
         with self.changed:
             op = self._operation(project, zone, operation)
             self.changed.wait_for(lambda: op["status"] == "DONE" or self.closing, self.operation_wait_timeout)
             return copy.deepcopy(op)
+
+    def wait_global_operation(self, project: str, operation: str, req: Request) -> dict:
+        return self.wait_operation(project, None, operation, req)
+
+    def list_operations(self, project: str, zone: str, req: Request) -> dict:
+        """zoneOperations.list: a zone's operations, with instances.list's filter and paging."""
+        with self.lock:
+            found = [copy.deepcopy(op) for (p, z, _), op in self.operations.items() if (p, z) == (project, zone)]
+        return self._zonal_list("compute#operationList", f"projects/{project}/zones/{zone}/operations", found, req)
+
+    def list_global_operations(self, project: str, req: Request) -> dict:
+        with self.lock:
+            found = [copy.deepcopy(op) for (p, z, _), op in self.operations.items() if p == project and z is None]
+        return self._zonal_list("compute#operationList", f"projects/{project}/global/operations", found, req)
+
+    def aggregated_list_operations(self, project: str, req: Request) -> dict:
+        """globalOperations.aggregatedList, what `gcloud compute operations list` asks: every
+        zone's operations and the global ones, grouped by scope ("zones/Z", "global")."""
+        with self.lock:
+            found = [copy.deepcopy(op) for (p, _, _), op in self.operations.items() if p == project]
+        return self._aggregated_list("compute#operationAggregatedList", project, "operations", found, req)
 
     def _op_running(self, op: dict) -> None:
         with self.changed:
@@ -1338,10 +1517,11 @@ class ComputeEmulator:
                         raise RuntimeError("instance deleted while being created")
                     inst.resource["status"] = "STAGING"
                     metadata = copy.deepcopy(inst.resource["metadata"])
-                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=self.vm_env)
+                    project_metadata = copy.deepcopy(self._project_metadata(inst.project))
+                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=self.vm_env, fqdn=inst.fqdn)
                 inst.vm = vm
                 vm.prepare()
-                GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
+                GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
                 if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
                     vm.start()
                     vm.wait_ready(self.vm_ready_timeout)
@@ -1473,13 +1653,7 @@ class ComputeEmulator:
 
     def _run_set_metadata(self, inst: Instance, op: dict) -> None:
         self._op_running(op)
-        with inst.work_lock:
-            with self.lock:
-                metadata = copy.deepcopy(inst.resource["metadata"])
-            # Also a VM whose sshd has not started yet (ssh_refused) or that is stopped: the guest
-            # agent applies the keys when it runs.
-            if inst.vm is not None and inst.vm.root.is_dir():
-                GuestAccounts(inst.vm.root, _skel(inst.image_dir)).apply_metadata(metadata)
+        self._apply_guest_accounts(inst)
         self._op_done(op)
 
     # ----- time limits and the cloud's own terminations -------------------------------------

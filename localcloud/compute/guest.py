@@ -3,7 +3,9 @@
 Compute Engine's guest agent turns the `ssh-keys` metadata item into local accounts: each
 line `USER:KEYTYPE BASE64 [COMMENT]` makes USER exist (home from the image's skel) and
 writes exactly that user's keys to `~/.ssh/authorized_keys`. Users whose keys disappear
-from the metadata keep their account but lose their keys. No sudo is granted here.
+from the metadata keep their account but lose their keys. No sudo is granted here. Only the
+instance's `ssh-keys` are read (project-wide keys are not). With OS Login in effect
+(`enable-oslogin`, the instance's value over the project's) the agent leaves accounts alone.
 
 The VM's /etc/passwd, /etc/group and /etc/shadow are per-VM files bind-mounted over the
 originals, so they are edited in place (truncate + write): a rename would leave the bind
@@ -64,6 +66,25 @@ def metadata_value(metadata: dict | None, key: str) -> str | None:
     return None
 
 
+def parse_bool(value: str | None) -> bool | None:
+    """A boolean metadata value as the guest agent reads it (Go's strconv.ParseBool in its
+    metadata package); anything else counts as not set."""
+    if value in ("1", "t", "T", "TRUE", "true", "True"):
+        return True
+    if value in ("0", "f", "F", "FALSE", "false", "False"):
+        return False
+    return None
+
+
+def os_login_enabled(metadata: dict | None, project_metadata: dict | None) -> bool:
+    """`enable-oslogin`: the instance's value wins over the project's (guest-agent oslogin.go,
+    getOSLoginEnabled; Google's "Setting up OS Login": enable it project-wide, set FALSE on
+    the instances that cannot use it yet)."""
+    enabled = parse_bool(metadata_value(project_metadata, "enable-oslogin"))
+    instance = parse_bool(metadata_value(metadata, "enable-oslogin"))
+    return bool(instance if instance is not None else enabled)
+
+
 class GuestAccounts:
     """Accounts of one VM, given its host-side directory (see vm.SandboxVM)."""
 
@@ -81,7 +102,15 @@ class GuestAccounts:
         except FileNotFoundError:
             return {}
 
-    def apply_metadata(self, metadata: dict | None) -> None:
+    def apply_metadata(self, metadata: dict | None, project_metadata: dict | None = None) -> None:
+        """One pass of the agent's accounts manager over instance and project metadata.
+
+        With OS Login in effect the accounts manager does not run at all (guest-agent
+        non_windows_accounts.go: disabled() is true when OS Login is enabled): no user or key
+        comes from `ssh-keys`; turning OS Login off makes the next pass apply them again.
+        """
+        if os_login_enabled(metadata, project_metadata):
+            return
         keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
         passwd = _read_table(self.etc / "passwd")
         managed = self.managed_users()

@@ -1,8 +1,8 @@
-"""Sandbox VMs: one OpenSSH sshd per instance, in its own mount and PID namespaces.
+"""Sandbox VMs: one OpenSSH sshd per instance, in its own mount, PID and UTS namespaces.
 
 Layout on the host, `STATE_DIR/vms/NAME/`:
     vm.json        name, ip, host pid (+ start time) of `unshare`, PID namespace, owner pid
-    etc/           the VM's passwd, group, shadow (bind-mounted over /etc/...)
+    etc/           the VM's passwd, group, shadow and hosts (bind-mounted over /etc/...)
     etc-ssh/       sshd_config (with a SetEnv line for the VM environment), host keys, moduli
                    (bind-mounted over /etc/ssh)
     home/ tmp/ var-tmp/ shm/ root/  bind-mounted over /home, /tmp, /var/tmp, /dev/shm, /root
@@ -12,6 +12,10 @@ Layout on the host, `STATE_DIR/vms/NAME/`:
 `unshare --pid --fork --kill-child` makes sshd PID 1 of the VM's PID namespace; SIGKILL to the
 host-side unshare kills it, and the kernel then kills every other process of that namespace,
 including ones a user detached with `setsid nohup`.
+
+Each VM has its own hostname (UTS namespace), as the guest agent sets it on Compute Engine: the
+first label of the instance's metadata hostname (NAME.ZONE.c.PROJECT.internal by default), and an
+/etc/hosts line "IP FQDN HOSTNAME" (guest-agent google_guest_agent/hostname/hostname.go).
 """
 
 from __future__ import annotations
@@ -29,19 +33,21 @@ from pathlib import Path
 
 HOST_KEY_TYPES = ("ed25519", "ecdsa", "rsa")
 
-# Runs as PID 1 of the new namespaces, then becomes sshd. $1 = state dir, $2 = VM name.
+# Runs as PID 1 of the new namespaces, then becomes sshd. $1 = state dir, $2 = VM name,
+# $3 = the VM's hostname (its own UTS namespace).
 # The state dir is first bound at /mnt so that every source stays reachable even when the
 # state dir lives under a directory that is overlaid below (/tmp, /home, /run); that staging
 # mount is dropped again before sshd starts.
 _BOOT_SCRIPT = r"""
 set -eu
+hostname "$3"
 mount --bind "$1" /mnt
 V="/mnt/vms/$2"
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
 mkdir -p /run/sshd /run/localcloud
 mount --bind -o ro /mnt/vm-etc /run/localcloud
 mount --bind "$V/etc-ssh" /etc/ssh
-for f in passwd group shadow; do mount --bind "$V/etc/$f" "/etc/$f"; done
+for f in passwd group shadow hosts; do mount --bind "$V/etc/$f" "/etc/$f"; done
 mount --bind "$V/home" /home
 mount --bind "$V/root" /root
 mount --bind "$V/shm" /dev/shm
@@ -97,12 +103,21 @@ class VMError(RuntimeError):
 
 class SandboxVM:
     def __init__(
-        self, state_dir: Path, name: str, ip: str, owner_pid: int | None = None, env: dict[str, str] | None = None
+        self,
+        state_dir: Path,
+        name: str,
+        ip: str,
+        owner_pid: int | None = None,
+        env: dict[str, str] | None = None,
+        fqdn: str | None = None,
     ) -> None:
+        """`fqdn`: the instance's hostname as the metadata server gives it (default: `name`)."""
         self.state_dir = state_dir
         self.env = dict(env or {})
         self.name = name
         self.ip = ip
+        self.fqdn = fqdn or name
+        self.hostname = self.fqdn.split(".", 1)[0]
         self.owner_pid = owner_pid or os.getpid()
         self.root = state_dir / "vms" / name
         self.proc: subprocess.Popen | None = None
@@ -131,6 +146,10 @@ class SandboxVM:
             os.chmod(path, mode)
         for name in ("passwd", "group", "shadow"):
             shutil.copy2(f"/etc/{name}", self.root / "etc" / name)
+        # The machine's hosts file plus the line the guest agent writes for the VM's address.
+        hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+        hosts = hosts if hosts.endswith("\n") else hosts + "\n"
+        (self.root / "etc" / "hosts").write_text(f"{hosts}{self.ip} {self.fqdn} {self.hostname}\n")
         ssh = self.root / "etc-ssh"
         if Path("/etc/ssh/moduli").exists():
             shutil.copy2("/etc/ssh/moduli", ssh / "moduli")
@@ -154,9 +173,9 @@ class SandboxVM:
         with open(self.root / "sshd.log", "ab") as log_file:
             self.proc = subprocess.Popen(
                 [
-                    "unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+                    "unshare", "--mount", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc",
                     "--propagation", "private",
-                    "/bin/sh", "-c", _BOOT_SCRIPT, "vm-boot", str(self.state_dir), self.name,
+                    "/bin/sh", "-c", _BOOT_SCRIPT, "vm-boot", str(self.state_dir), self.name, self.hostname,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,

@@ -71,7 +71,19 @@ ROUTES = [(methods.split(), re.compile(pattern), name) for methods, pattern, nam
 
 
 class HubError(Exception):
-    """An error answer in the Hub's shape; `code` is the X-Error-Code the client maps."""
+    """An error answer in the Hub's shape; `code` is the X-Error-Code the client maps.
+
+    Where the shapes come from: huggingface_hub's hf_raise_for_status (utils/_http.py) reads
+    X-Error-Code (RevisionNotFound, EntryNotFound, GatedRepo, RepoNotFound) and X-Error-Message,
+    treats a 401 on a repo URL whose message is not "Invalid credentials in Authorization
+    header" as RepoNotFound, and maps 400 to BadRequestError, 403 to "Forbidden: <message>",
+    416 to a range error (with Content-Range); its _format collects the message from
+    X-Error-Message and the JSON body's "error" (the body sent here). The gated-repo messages
+    ("Access to model X is restricted ...", "... is restricted and you are not in the
+    authorized list.") and "Access to this resource is disabled." are quoted in its errors.py.
+    Other messages (a local hub's unsupported features, a bad request the client never sends)
+    are this emulator's own wording in those same shapes.
+    """
 
     def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)

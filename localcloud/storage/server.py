@@ -108,6 +108,8 @@ class Request:
         try:
             body = json.loads(raw)
         except ValueError as exc:
+            # Reason parseError for a body that is not JSON: the JSON API's status-codes page
+            # (cloud.google.com/storage/docs/json_api/v1/status-codes); the detail is ours.
             raise GcsError(400, "parseError", f"Parse Error: {exc}") from None
         if not isinstance(body, dict):
             raise invalid("The request body must be a JSON object.")
@@ -137,6 +139,7 @@ class StorageApi:
                     response = getattr(self, name)(req, **args)
                     break
             else:
+                # A path the emulator does not serve: 404 notFound in the API's shape; wording ours.
                 raise GcsError(404, "notFound", f"Not Found: {req.method} {req.path}")
         except GcsError as exc:
             response = Response(exc.code, exc.body() if exc.code != 304 else b"")
@@ -182,6 +185,8 @@ class StorageApi:
                         rule["count"] -= 1
                         if rule["count"] <= 0:
                             self.faults.remove(rule)
+                    # An injected fault (tests): the API's shape, reason backendError as the
+                    # status-codes page gives 5xx; the message says it is localcloud's.
                     return GcsError(rule["status"], "backendError", f"localcloud: injected fault ({rule['status']}).")
         return None
 
@@ -251,6 +256,8 @@ class StorageApi:
                 f.close()
                 if size == 0 and start == 0:
                     return Response(200, b"", headers)
+                # 416 requestedRangeNotSatisfiable: the status-codes page's reason for a Range
+                # beyond the object.
                 raise GcsError(416, "requestedRangeNotSatisfiable", "Request range not satisfiable")
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         f.seek(start)
@@ -377,6 +384,8 @@ class StorageApi:
             fields = req.json()
             name = fields.get("name") or req.query.get("name")
             if not name:
+                # A missing required parameter: 400 required "Required" (the status-codes page's
+                # reason; the Login Required example there has the same form).
                 raise GcsError(400, "required", "Required")
             check_preconditions(self.store.objects[bucket].get(name), req.query)
             fields.setdefault("contentType", req.headers.get("X-Upload-Content-Type"))
@@ -392,7 +401,7 @@ class StorageApi:
         raise invalid(f"Invalid upload type: {kind!r} (media, multipart or resumable).")
 
     def _finish(self, req: Request, bucket: str, name: str | None, chunks, fields: dict) -> Response:
-        if not name:
+        if not name:  # as above
             raise GcsError(400, "required", "Required")
         tmp = self.store.temp_path()
         try:
@@ -409,6 +418,8 @@ class StorageApi:
         with self.sessions_lock:
             session = self.sessions.get(upload_id)
         if session is None or session["bucket"] != bucket:
+            # An unknown or expired session answers 404 (Cloud Storage's resumable-upload docs:
+            # start a new session then); the message is ours.
             raise GcsError(404, "notFound", "No such upload session.")
         if req.method == "DELETE":
             with self.sessions_lock:
@@ -431,6 +442,8 @@ class StorageApi:
                 req.read()
             else:
                 if first > have:
+                    # A chunk past what was persisted. Status, reason and wording are this
+                    # emulator's: no public capture of Cloud Storage's answer was checked.
                     raise GcsError(503, "backendError", f"Chunk starts at {first}, {have} bytes persisted.")
                 skip = have - first
                 with open(path, "ab") as f:

@@ -37,7 +37,11 @@ WRITABLE = ("contentType", "contentEncoding", "contentDisposition", "contentLang
 
 
 class GcsError(Exception):
-    """An error answer in the JSON API's format."""
+    """An error answer in the JSON API's format: {"error": {"code", "message", "errors":
+    [{"message", "domain": "global", "reason"}]}} (cloud.google.com/storage/docs/json_api/v1/
+    status-codes; the body google-api-core's exceptions.from_http_response reads; a 409 bucket
+    delete in kestra-io/plugin-gcp#321 shows it whole). Where each error's wording was seen is noted next to it; errors of emulator-only
+    control paths and injected faults say "localcloud"."""
 
     def __init__(self, code: int, reason: str, message: str, **extra: str) -> None:
         super().__init__(message)
@@ -49,14 +53,21 @@ class GcsError(Exception):
 
 
 def not_found_object(bucket: str, name: str) -> GcsError:
+    # google-cloud-storage's NotFound for a missing object reads "404 GET ...: No such object:
+    # BUCKET/NAME" (the JSON API's 404 notFound).
     return GcsError(404, "notFound", f"No such object: {bucket}/{name}")
 
 
 def not_found_bucket() -> GcsError:
+    # The JSON API's 404 for a missing bucket (S3's wording, which Cloud Storage shares).
     return GcsError(404, "notFound", "The specified bucket does not exist.")
 
 
 def condition_not_met(location: str = "If-Match") -> GcsError:
+    # 412 conditionNotMet with this message (the JSON API's "HTTP status and error codes" page,
+    # cloud.google.com/storage/docs/json_api/v1/status-codes; a public GCS client's test fixture
+    # quotes the body). locationType/location name the failed precondition the way that page's
+    # examples name a header parameter ("locationType": "header", "location": "Authorization").
     return GcsError(412, "conditionNotMet", "At least one of the pre-conditions you specified did not hold.",
                     locationType="header", location=location)
 
@@ -168,8 +179,10 @@ class Store:
             raise invalid(f"Invalid bucket name: '{name}'")
         with self.lock:
             if name in self.buckets:
-                raise GcsError(409, "conflict", "Your previous request to create the named bucket succeeded and you "
-                                                "already own it.")
+                # The JSON API's answer ("googleapi: Error 409: You already own this bucket. Please
+                # select another name., conflict", matched verbatim by minio's GCS gateway and
+                # cortexlabs/cortex); the S3 wording it had before is not Cloud Storage's.
+                raise GcsError(409, "conflict", "You already own this bucket. Please select another name.")
             now = now_rfc3339()
             resource = {
                 "kind": "storage#bucket", "id": name, "name": name, "projectNumber": "100000000001",
@@ -200,6 +213,7 @@ class Store:
         with self.lock:
             self.bucket(name)
             if self.objects[name]:
+                # kestra-io/plugin-gcp#321 (the whole body), googleapis/python-storage#1071.
                 raise GcsError(409, "conflict", "The bucket you tried to delete is not empty.")
             del self.buckets[name], self.objects[name]
             for path in (self.root / "buckets" / name / "objects").iterdir():

@@ -70,6 +70,7 @@ def reservations(local_cloud, pipeline_connections):
             "source_image": "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
         }}],
         "network_interfaces": [{"network": "global/networks/default"}],
+        "scheduling": {"on_host_maintenance": "TERMINATE"},  # a TPU VM cannot live-migrate
         "reservation_affinity": {
             "consume_reservation_type": "SPECIFIC_RESERVATION",
             "key": "compute.googleapis.com/reservation-name",

@@ -262,11 +262,12 @@ def gcloud(tmp_path):
         "GCE_METADATA_IP": "127.0.0.1:1",
     }
 
-    def run_gcloud(command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run_gcloud(command: str, env: dict[str, str] | None = None, *, fails: bool = False) -> subprocess.CompletedProcess:
+        """`fails`: the command must exit non-zero instead (a request the API refuses)."""
         args = shlex.split(command)
         assert args[0] == "gcloud"
         done = subprocess.run(args, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        assert (done.returncode != 0) == fails, f"{command}\n{done.stdout}\n{done.stderr}"
         return done
 
     return run_gcloud
@@ -322,6 +323,238 @@ def test_gcloud_describes_and_lists_reservations(compute_cloud, gcloud):
     }
     listed = gcloud("gcloud compute reservations list --project local-project --format=value(name)", env)
     assert listed.stdout.split() == ["local-reservation"]
+
+
+def gcloud_create(name: str, flags: str, *, zone: str = ZONE, project: str = PROJECT) -> str:
+    """`gcloud compute instances create` of the tutorial's image with `flags` added."""
+    image_project, family = TUTORIAL_IMAGE_KEY.split("/", 1)
+    return (
+        f"gcloud compute instances create {name} --zone={zone} --project={project} --network=default "
+        f"--image-project={image_project} --image-family={family} --boot-disk-size=200GB {flags}"
+    )
+
+
+def test_gcloud_insert_refused_as_compute_engine_refuses(compute_cloud, gcloud, compute_vm, compute_discovery):
+    env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
+    compute_cloud.add_reservation("lc-refuse-resv", 1, zone=ZONE, project=PROJECT)
+    machine_url = f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}/machineTypes/ct6e-standard-99t"
+    rb = "--provisioning-model=RESERVATION_BOUND --instance-termination-action=DELETE"
+    cases = [
+        (
+            "--machine-type=ct6e-standard-99t --maintenance-policy=TERMINATE",
+            ZONE,
+            f"Invalid value for field 'resource.machineType': '{machine_url}'. "
+            f"Machine type with name 'ct6e-standard-99t' does not exist in zone '{ZONE}'.",
+        ),
+        # ct5p (v5p) is not offered in us-east1-d, ct6e is.
+        (
+            "--machine-type=ct5p-hightpu-4t --maintenance-policy=TERMINATE",
+            "us-east1-d",
+            "Machine type with name 'ct5p-hightpu-4t' does not exist in zone 'us-east1-d'.",
+        ),
+        ("--machine-type=ct6e-standard-8t --maintenance-policy=TERMINATE", "us-east5-q",
+         "Invalid value for field 'zone': 'us-east5-q'. Unknown zone."),
+        *(
+            (
+                f"--machine-type=ct6e-standard-8t --maintenance-policy=TERMINATE {rb} {affinity}",
+                ZONE,
+                "Invalid value for field 'resource.scheduling.provisioningModel': 'RESERVATION_BOUND'. "
+                "Instances with provisioningModel RESERVATION_BOUND must consume a specific reservation.",
+            )
+            for affinity in ("", "--reservation-affinity=any", "--reservation-affinity=none")
+        ),
+        (
+            "--machine-type=ct6e-standard-8t --maintenance-policy=MIGRATE",
+            ZONE,
+            "Invalid value for field 'resource.scheduling.onHostMaintenance': 'MIGRATE'. Scheduling must have "
+            "onHostMaintenance be one of the following valid types: [TERMINATE]. But was MIGRATE",
+        ),
+        # Without --maintenance-policy gcloud sends none: the default, MIGRATE, is refused.
+        ("--machine-type=ct6e-standard-8t", ZONE, "Instances with guest accelerators do not support live migration."),
+    ]
+    compute_cloud.clear_requests()
+    for i, (flags, zone, message) in enumerate(cases):
+        refused = gcloud(gcloud_create(f"lc-refused-{i}", flags, zone=zone), env, fails=True)
+        assert message in refused.stderr, (flags, refused.stderr)
+    # gcloud recognises the machine type error and points at machine-types list.
+    assert "gcloud compute machine-types list" in gcloud(gcloud_create("lc-refused-x", cases[0][0]), env, fails=True).stderr
+    inserts = [r for r in compute_cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances")]
+    assert [r["status"] for r in inserts] == [400] * (len(cases) + 1)
+    assert not [v for v in compute_cloud.vms() if v["name"].startswith("lc-refused")]
+
+    # The same refusals through the Python client, with the API's error bodies.
+    instances = compute_discovery.instances()
+
+    def refused(call) -> tuple[int, list]:
+        with pytest.raises(HttpError) as exc:
+            call.execute()
+        return exc.value.resp.status, error_of(exc.value)["errors"]
+
+    def invalid(message: str) -> tuple[int, list]:
+        return 400, [{"message": message, "domain": "global", "reason": "invalid"}]
+
+    body = body_for("lc-refused-py", machine_type="ct6e-standard-99t")
+    assert refused(instances.insert(project=PROJECT, zone=ZONE, body=body)) == invalid(
+        f"Invalid value for field 'resource.machineType': 'zones/{ZONE}/machineTypes/ct6e-standard-99t'. "
+        f"Machine type with name 'ct6e-standard-99t' does not exist in zone '{ZONE}'."
+    )
+    unknown_zone = invalid("Invalid value for field 'zone': 'us-east5-q'. Unknown zone.")
+    assert refused(instances.insert(project=PROJECT, zone="us-east5-q", body=body_for("lc-refused-py"))) == unknown_zone
+    assert refused(instances.list(project=PROJECT, zone="us-east5-q")) == unknown_zone
+    assert refused(compute_discovery.zones().get(project=PROJECT, zone="us-east5-q")) == (
+        404,
+        [{"message": f"The resource 'projects/{PROJECT}/zones/us-east5-q' was not found", "domain": "global",
+          "reason": "notFound"}],
+    )
+    body = body_for("lc-refused-py", scheduling={"onHostMaintenance": None})
+    assert refused(instances.insert(project=PROJECT, zone=ZONE, body=body)) == (
+        400, [{"message": "Instances with guest accelerators do not support live migration.", "domain": "global",
+               "reason": "badRequest"}],
+    )
+    # The tutorial's RESERVATION_BOUND with its specific reservation passes these checks (the
+    # tutorial test inserts it), and so does a general-purpose VM that may live-migrate.
+    general = compute_vm("lc-general-n2", machine_type="n2-standard-8", scheduling={"onHostMaintenance": "MIGRATE"})
+    assert (general["status"], general["scheduling"]["onHostMaintenance"]) == ("RUNNING", "MIGRATE")
+
+
+def test_gcloud_vm_without_external_ip_is_reached_at_its_internal_ip(
+    compute_cloud, gcloud, compute_vm, compute_discovery, monkeypatch
+):
+    """--no-address: no accessConfigs, so no natIP; the product's internal-IP path (the hook's
+    get_instance_address with use_internal_ip) reaches the VM. Also: what instances.get returns
+    (no input-only fields) and each VM's own hostname."""
+    from airflow.exceptions import AirflowException
+
+    from localcloud.connections import airflow_connection_env, generate_ssh_private_key
+    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+
+    env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
+    key = paramiko.ECDSAKey.generate()
+    name = "lc-gcloud-internal"
+    compute_cloud.clear_requests()
+    flags = f"--machine-type=ct6e-standard-4t --maintenance-policy=TERMINATE --no-address --metadata=ssh-keys={shlex.quote(ssh_keys_line('maxtext', key))}"
+    gcloud(gcloud_create(name, flags), env)
+    try:
+        sent = next(r["body"] for r in compute_cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances"))
+        assert "accessConfigs" not in sent["networkInterfaces"][0]
+        assert sent["disks"][0]["initializeParams"]["diskSizeGb"] == "200"
+
+        described = json.loads(
+            gcloud(f"gcloud compute instances describe {name} --zone={ZONE} --project={PROJECT} --format=json", env).stdout
+        )
+        nic = described["networkInterfaces"][0]
+        assert "accessConfigs" not in nic and re.fullmatch(r"127\.0\.0\.\d+", nic["networkIP"])
+        # initializeParams is input-only: not returned; the disk it made is.
+        [disk] = described["disks"]
+        assert "initializeParams" not in disk and "forceAttach" not in disk
+        assert (disk["diskSizeGb"], disk["source"]) == ("200", f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}/disks/{name}")
+        assert "hostname" not in described  # only when the insert set one
+
+        monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", airflow_connection_env(
+            compute_cloud, generate_ssh_private_key(), "hf_unused"
+        )["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"])
+        hook = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+        where = {"zone": ZONE, "resource_id": name, "project_id": PROJECT}
+        address = hook.get_instance_address(use_internal_ip=True, **where)
+        assert address == nic["networkIP"]
+        with pytest.raises(AirflowException, match="does not have external IP"):
+            hook.get_instance_address(**where)
+
+        other = compute_vm("lc-hostname-2", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+        for vm_name, ip in ((name, address), ("lc-hostname-2", other["networkInterfaces"][0]["networkIP"])):
+            with ssh(ip, "maxtext", key) as client:
+                # GCE's default: hostname NAME, FQDN NAME.ZONE.c.PROJECT.internal (zonal DNS).
+                assert run(client, "hostname; hostname -f").split() == [vm_name, f"{vm_name}.{ZONE}.c.{PROJECT}.internal"]
+        assert socket.gethostname() not in (name, "lc-hostname-2")  # the host's own name is untouched
+    finally:
+        gcloud(f"gcloud compute instances delete {name} --zone={ZONE} --project={PROJECT} --quiet", env)
+
+
+def test_gcloud_lists_operations(compute_cloud, gcloud, compute_vm, compute_discovery):
+    env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
+    compute_vm("lc-ops-1")
+    compute_vm("lc-ops-2")
+    target = f"{compute_cloud.compute_endpoint}projects/{PROJECT}/zones/{ZONE}/instances/lc-ops-1"
+
+    def inserts_of_ops_1(command: str) -> list[dict]:
+        listed = json.loads(gcloud(command, env).stdout)
+        return [op for op in listed if op["targetLink"] == target]
+
+    # What gcloud asks: globalOperations.aggregatedList; with --zones, zoneOperations.list.
+    everywhere = inserts_of_ops_1(f"gcloud compute operations list --project={PROJECT} --format=json")
+    assert [(op["operationType"], op["status"]) for op in everywhere] == [("insert", "DONE")]
+    assert inserts_of_ops_1(f"gcloud compute operations list --project={PROJECT} --zones={ZONE} --format=json") == everywhere
+    assert inserts_of_ops_1(f"gcloud compute operations list --project={PROJECT} --zones=us-east5-a --format=json") == []
+    # --filter on the zone is sent to the API (a legacy regex filter).
+    compute_cloud.clear_requests()
+    filtered = inserts_of_ops_1(f"gcloud compute operations list --project={PROJECT} --filter=zone:{ZONE} --format=json")
+    assert filtered == everywhere
+    assert any("filter" in r["query"] for r in compute_cloud.requests() if r["path"].endswith("/aggregated/operations"))
+
+    # The Python client: filter and paging as in instances.list.
+    operations = compute_discovery.zoneOperations()
+    seen, token = [], None
+    while True:
+        page = operations.list(
+            project=PROJECT, zone=ZONE, filter='operationType = "insert"', maxResults=1, pageToken=token
+        ).execute()
+        assert len(page.get("items", [])) <= 1
+        seen += page.get("items", [])
+        token = page.get("nextPageToken")
+        if not token:
+            break
+    names = [op["name"] for op in seen]
+    assert len(names) >= 2 and names == sorted(set(names)) and {op["operationType"] for op in seen} == {"insert"}
+    assert everywhere[0]["name"] in names
+
+
+OS_LOGIN_PROJECT = "lc-oslogin-project"
+
+
+def test_os_login_makes_the_guest_agent_ignore_ssh_keys(compute_cloud, gcloud, compute_discovery):
+    env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
+    key = paramiko.ECDSAKey.generate()
+    where = {"project": OS_LOGIN_PROJECT, "zone": ZONE}
+    instances = compute_discovery.instances()
+
+    # What `gcloud compute project-info add-metadata` sends: projects.get, then
+    # projects.setCommonInstanceMetadata (a global operation it waits for).
+    gcloud(f"gcloud compute project-info add-metadata --project={OS_LOGIN_PROJECT} --metadata=enable-oslogin=TRUE", env)
+    project = compute_discovery.projects().get(project=OS_LOGIN_PROJECT).execute()
+    assert project["commonInstanceMetadata"]["items"] == [{"key": "enable-oslogin", "value": "TRUE"}]
+    stale = {"fingerprint": "localcloud0=", "items": []}
+    with pytest.raises(HttpError) as exc:
+        compute_discovery.projects().setCommonInstanceMetadata(project=OS_LOGIN_PROJECT, body=stale).execute()
+    assert exc.value.resp.status == 412 and error_of(exc.value)["errors"][0]["reason"] == "conditionNotMet"
+
+    names = {"lc-oslogin-on": {}, "lc-oslogin-off": {"enable-oslogin": "FALSE"}}
+    ips = {}
+    try:
+        for name, extra in names.items():
+            body = instance_body(name, zone=ZONE, metadata={"ssh-keys": ssh_keys_line("maxtext", key), **extra})
+            done = wait_operation(compute_discovery, instances.insert(body=body, **where).execute(), **where)
+            assert "error" not in done, done
+            ips[name] = instances.get(instance=name, **where).execute()["networkInterfaces"][0]["networkIP"]
+        # Project OS Login on: the guest agent made no user from ssh-keys; sshd refuses the key.
+        with pytest.raises(paramiko.AuthenticationException):
+            ssh(ips["lc-oslogin-on"], "maxtext", key)
+        # The instance's own enable-oslogin=FALSE wins over the project's.
+        with ssh(ips["lc-oslogin-off"], "maxtext", key) as client:
+            assert run(client, "id -un").strip() == "maxtext"
+
+        # Off again for the project (the same REST call, through LocalCloud): the key logs in.
+        metadata = compute_cloud.set_project_metadata(OS_LOGIN_PROJECT, {"enable-oslogin": "FALSE"})
+        assert metadata["items"] == [{"key": "enable-oslogin", "value": "FALSE"}]
+        with ssh(ips["lc-oslogin-on"], "maxtext", key) as client:
+            assert run(client, "id -un").strip() == "maxtext"
+    finally:
+        compute_cloud.set_project_metadata(OS_LOGIN_PROJECT, {"enable-oslogin": None})
+        for name in names:
+            try:
+                wait_operation(compute_discovery, instances.delete(instance=name, **where).execute(), **where)
+            except HttpError as exc:
+                if exc.resp.status != 404:
+                    raise
 
 
 # ----- the VMs ----------------------------------------------------------------------------------
@@ -628,11 +861,16 @@ def test_time_limits_are_validated_like_the_api(compute_cloud, compute_discovery
 
     # Accepted: the tutorial's RESERVATION_BOUND + DELETE without a limit, and the longest limit.
     # (Instance records without VMs: the inserts fail after being accepted.)
+    compute_cloud.add_reservation("lc-limit-resv", 1, zone=ZONE, project=PROJECT)  # RESERVATION_BOUND needs one
     compute_cloud.set_faults({"insert_fails_after_accept": {"leave_instance": True, "count": 2}})
     names = ["lc-limit-ok-1", "lc-limit-ok-2"]
     try:
         bodies = [
-            body_for(names[0], scheduling={"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"}),
+            body_for(
+                names[0],
+                reservation="lc-limit-resv",
+                scheduling={"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE"},
+            ),
             body_for(names[1], scheduling={"maxRunDuration": {"seconds": "10368000", "nanos": 0}, "instanceTerminationAction": "STOP"}),
         ]
         for body in bodies:
