@@ -12,8 +12,8 @@ from pathlib import Path
 
 def gcloud_runner(config_dir: Path, compute_endpoint: str | None = None) -> Callable[..., subprocess.CompletedProcess]:
     """A function that runs a gcloud command line with its own config folder and a fixed token,
-    asserting it succeeds (`check=False` returns a failure instead); `env` adds variables.
-    With `compute_endpoint`, gcloud's compute API is the emulator."""
+    asserting it succeeds (with `fails=True`: that it exits non-zero, a request the API refuses);
+    `env` adds variables. With `compute_endpoint`, gcloud's compute API is the emulator."""
     if shutil.which("gcloud") is None:
         raise AssertionError("gcloud is not installed")
     base_env = {
@@ -33,12 +33,11 @@ def gcloud_runner(config_dir: Path, compute_endpoint: str | None = None) -> Call
     if compute_endpoint:
         base_env["CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE"] = compute_endpoint
 
-    def run(command: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    def run(command: str, env: dict[str, str] | None = None, *, fails: bool = False) -> subprocess.CompletedProcess:
         args = shlex.split(command)
         assert args[0] == "gcloud"
         done = subprocess.run(args, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=120)
-        if check:
-            assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        assert (done.returncode != 0) == fails, f"{command}\n{done.stdout}\n{done.stderr}"
         return done
 
     return run

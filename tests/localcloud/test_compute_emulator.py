@@ -8,10 +8,8 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +24,7 @@ from localcloud.cloud import LocalCloud, LocalCloudError
 from localcloud.compute.vm import pids_in_namespace
 
 from localcloud.compute.testing import TUTORIAL_IMAGE_KEY, discovery_client, instance_body, wait_operation
+from tests.gcloud import gcloud_runner
 
 # The project and zone the conftest fixtures use.
 PROJECT = "lc-test-project"
@@ -243,34 +242,8 @@ def test_bad_bodies_are_rejected(compute_discovery):
 
 @pytest.fixture
 def gcloud(tmp_path):
-    """Runs a gcloud command line offline (its own config, a fixed token), asserting it succeeds;
-    `env` adds variables (an endpoint override, say)."""
-    if shutil.which("gcloud") is None:
-        pytest.fail("gcloud is not installed")
-    base_env = {
-        **os.environ,
-        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud-config"),
-        "CLOUDSDK_AUTH_ACCESS_TOKEN": "x",
-        "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
-        # Keep gcloud off the network: no usage reports or update checks, and no "am I on
-        # GCE?" probe (a DNS lookup of metadata.google.internal made for its user agent).
-        "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true",
-        "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
-        "CLOUDSDK_CORE_CHECK_GCE_METADATA": "false",
-        "CLOUDSDK_METRICS_ENVIRONMENT": "localcloud",
-        "GCE_METADATA_ROOT": "127.0.0.1:1",
-        "GCE_METADATA_IP": "127.0.0.1:1",
-    }
-
-    def run_gcloud(command: str, env: dict[str, str] | None = None, *, fails: bool = False) -> subprocess.CompletedProcess:
-        """`fails`: the command must exit non-zero instead (a request the API refuses)."""
-        args = shlex.split(command)
-        assert args[0] == "gcloud"
-        done = subprocess.run(args, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=120)
-        assert (done.returncode != 0) == fails, f"{command}\n{done.stdout}\n{done.stderr}"
-        return done
-
-    return run_gcloud
+    """Runs a gcloud command line offline (its own config, a fixed token); see tests/gcloud.py."""
+    return gcloud_runner(tmp_path / "gcloud-config")
 
 
 def test_gcloud_tutorial_commands_match_reference(compute_cloud, gcloud):
