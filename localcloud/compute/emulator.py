@@ -9,8 +9,9 @@ part of the Compute Engine API.
 
 Reservations are read-only through the API (reservations.get and list); tests create them with
 the control call POST /_localcloud/reservations. An insert that targets a reservation by name
-(SPECIFIC_RESERVATION) is refused as Compute Engine refuses it when the reservation is missing
-from the zone, reserves another machine type or is fully used; otherwise the instance consumes
+(SPECIFIC_RESERVATION) fails on its operation, as Compute Engine reports it (CONDITION_NOT_MET),
+when the reservation is missing from the zone, reserves another machine type or is fully used
+(see the error catalog); otherwise the instance consumes
 one unit of it until it is deleted or stopped (see `ComputeEmulator.reservation_in_use`).
 """
 
@@ -283,7 +284,7 @@ def fill(template: str, **values: object) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: str(values.get(m.group(1), m.group(0))), template)
 
 
-def _error_values(project: str, zone: str, body: dict) -> dict:
+def error_values(project: str, zone: str, body: dict) -> dict:
     """The placeholders of an error message, from an insert's body (or the instance's resource)."""
     values = (body.get("reservationAffinity") or {}).get("values") or ["-"]
     return {
@@ -904,7 +905,7 @@ class ComputeEmulator:
         return ApiError(
             status,
             reason,
-            fill(message, **_error_values(project, zone, body)),
+            fill(message, **error_values(project, zone, body)),
             domain=preset.domain if preset and "reason" not in rule else None,
         )
 
@@ -1418,7 +1419,7 @@ class ComputeEmulator:
             if preset and preset.code != code:
                 preset = None  # an explicit code overrides the preset's message and status too
             if message := fault.get("message") or (preset and preset.message):
-                message = fill(message, **_error_values(inst.project, inst.zone, inst.resource))
+                message = fill(message, **error_values(inst.project, inst.zone, inst.resource))
             else:
                 message = self._operation_message(code, inst)
             with self.lock:
@@ -1487,7 +1488,7 @@ class ComputeEmulator:
 
     def _operation_message(self, code: str, inst: Instance) -> str:
         template = _OPERATION_ERROR_MESSAGES.get(code, "localcloud: injected operation error {code}.")
-        return fill(template, code=code, **_error_values(inst.project, inst.zone, inst.resource))
+        return fill(template, code=code, **error_values(inst.project, inst.zone, inst.resource))
 
     def _hang(self, rule: dict, epoch: int) -> None:
         """Keep the calling operation RUNNING for the rule's `seconds`, or until operation_hangs

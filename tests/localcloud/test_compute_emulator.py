@@ -263,11 +263,11 @@ def gcloud(tmp_path):
         "GCE_METADATA_IP": "127.0.0.1:1",
     }
 
-    def run_gcloud(command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run_gcloud(command: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
         args = shlex.split(command)
         assert args[0] == "gcloud"
         done = subprocess.run(args, env={**base_env, **(env or {})}, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0 or not check, f"{command}\n{done.stdout}\n{done.stderr}"
         return done
 
     return run_gcloud
@@ -302,6 +302,30 @@ def test_gcloud_tutorial_commands_match_reference(compute_cloud, gcloud):
     assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
     assert not port_open(vm["ip"])
     assert compute_cloud.deleted_manifest("my-tpu") is not None
+
+
+def test_gcloud_reports_instance_creation_errors_as_the_cloud_does(compute_cloud, gcloud):
+    """The tutorial's create through gcloud: a full reservation fails on the operation, a missing
+    permission synchronously, and gcloud prints each the way public reports of the real API show
+    it ("Could not fetch resource: - Required 'compute.instances.create' permission for ...")."""
+    reference = json.loads(REFERENCE.read_text())
+    gcloud(f"gcloud config set api_endpoint_overrides/compute {compute_cloud.compute_endpoint}")
+    compute_cloud.add_reservation("my-reservation", 1, project="my-project", zone=ZONE)
+    try:
+        compute_cloud.set_faults({"operation_errors": {"operation": "insert", "preset": "reservation_full"}})
+        full = gcloud(reference["create_command"], check=False)
+        compute_cloud.set_faults({"insert_rejected": {"preset": "permission_denied"}})
+        denied = gcloud(reference["create_command"], check=False)
+    finally:
+        compute_cloud.set_faults({})
+    assert full.returncode != 0
+    assert "Specified reservation 'my-reservation' does not have available resources for the request." in full.stderr
+    assert denied.returncode != 0
+    assert (
+        "Could not fetch resource:\n - Required 'compute.instances.create' permission for "
+        f"'projects/my-project/zones/{ZONE}/instances/my-tpu'"
+    ) in denied.stderr, denied.stderr
+    assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
 
 
 def test_gcloud_describes_and_lists_reservations(compute_cloud, gcloud):
