@@ -13,8 +13,9 @@ operation); the guest-agent role reads it with each instance's metadata (OS Logi
 
 Reservations are read-only through the API (reservations.get and list); tests create them with
 the control call POST /_localcloud/reservations. An insert that targets a reservation by name
-(SPECIFIC_RESERVATION) is refused as Compute Engine refuses it when the reservation is missing
-from the zone, reserves another machine type or is fully used; otherwise the instance consumes
+(SPECIFIC_RESERVATION) fails on its operation, as Compute Engine reports it (CONDITION_NOT_MET),
+when the reservation is missing from the zone, reserves another machine type or is fully used
+(see the error catalog); otherwise the instance consumes
 one unit of it until it is deleted or stopped (see `ComputeEmulator.reservation_in_use`).
 """
 
@@ -66,8 +67,13 @@ MAX_RUN_SECONDS = 120 * 24 * 3600
 # reservationAffinity.key that names a reservation (SPECIFIC_RESERVATION).
 RESERVATION_NAME_KEY = "compute.googleapis.com/reservation-name"
 
-# Operation error code → (httpErrorStatusCode) as the real API reports it.
+# Operation error code → (httpErrorStatusCode) as the real API reports it. CONDITION_NOT_MET:
+# 412 "PRECONDITION FAILED", as in cluster-autoscaler's autoscaling_gce_client_test.go
+# (`operationDoneResponseError`); PERMISSIONS_ERROR: 403, Google's Compute Engine error catalog
+# (cloud.google.com/compute/docs/reference/rest/v1/errors).
 _OPERATION_ERROR_STATUS = {
+    "CONDITION_NOT_MET": 412,
+    "PERMISSIONS_ERROR": 403,
     "ZONE_RESOURCE_POOL_EXHAUSTED": 503,
     "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": 503,
     "REGION_RESOURCE_POOL_EXHAUSTED": 503,
@@ -154,12 +160,29 @@ class Request:
 
 
 # ----- error catalog -----------------------------------------------------------------------------
-# Compute Engine's own wording of the errors the faults inject, as public reports of real errors
-# show it: the zone-exhausted and quota messages (operation errors, gcloud and Terraform output;
-# the double spaces are theirs), the three reservation messages (matched by Google's GKE tooling and
-# the Kubernetes cluster autoscaler's GCE client), the internal-error format. Which HTTP status and reason the API gives the reservation errors when it
-# refuses the insert itself is not documented: 400 `invalid` here (a rule can override both).
-# `{project}`, `{zone}`, `{region}`, `{name}` and `{reservation}` are filled in from the request.
+# Compute Engine's own wording of the errors the faults inject, and where each was seen:
+# - zone exhausted, quota: public reports of real errors (gcloud and Terraform output; the double
+#   spaces are theirs), Google's troubleshooting pages (compute/docs/troubleshooting/
+#   troubleshooting-resource-availability: the zone message; troubleshooting-bulk-vm-creation:
+#   synchronous HTTP 403 `quotaExceeded`), SkyPilot's sky/provision/gcp/instance_utils.py
+#   (`_handle_http_error`: the synchronous quota error's domain `usageLimits`);
+# - the reservation, organisation-policy and TPU-configuration errors: Kubernetes
+#   cluster-autoscaler's GCE client (cluster-autoscaler/cloudprovider/gce/autoscaling_gce_client.go,
+#   `GetErrorInfo` and its `is*` helpers; the exact messages from autoscaling_gce_client_test.go,
+#   `TestErrors`), which reads them as `{code, message}` errors of instance-creation attempts
+#   (CONDITION_NOT_MET), i.e. on the operation, HTTP 412 (`operationDoneResponseError` there). No
+#   source shows them as a synchronous insert error, so the operation is where the emulator gives
+#   them for a real reservation; `insert_rejected` can still give them synchronously (412
+#   `conditionNotMet`, the reason the API gives a 412, see errors.fingerprint_mismatch);
+# - permission: Google's Compute Engine error catalog (compute/docs/reference/rest/v1/errors:
+#   PERMISSIONS_ERROR, 403, "Required '{permission}' permission for '{resource}'"); gcloud prints
+#   it as a synchronous error ("Could not fetch resource: - Required 'compute.instances.create'
+#   permission for 'projects/P/zones/Z/instances/NAME'"), Terraform with the reason `forbidden`;
+# - the internal-error format: public reports of real operation errors.
+# Earlier versions of this emulator answered a full reservation with an invented "Reservation R
+# does not have sufficient capacity ..." (400); no source shows that wording.
+# `{project}`, `{project_number}`, `{zone}`, `{region}`, `{name}` and `{reservation}` are filled
+# in from the request.
 
 _ZONE_EXHAUSTED = (
     "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill "
@@ -171,31 +194,74 @@ _ZONE_EXHAUSTED_WITH_DETAILS = (
 )
 _QUOTA = "Quota 'CPUS' exceeded.  Limit: 0.0 in region {region}."
 _INTERNAL = "Internal error. Please try again or contact Google Support. (Code: '{support_code}')"
+_PERMISSION = "Required 'compute.instances.create' permission for 'projects/{project}/zones/{zone}/instances/{name}'"
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceError:
+    """One way Compute Engine refuses to create an instance, in both places it says so: on the
+    insert's operation (`error.errors[] = [{code, message}]`, httpErrorStatusCode `status`) or
+    synchronously (HTTP `status`, `errors[] = [{message, domain, reason}]`)."""
+
+    code: str
+    message: str
+    status: int
+    reason: str
+    domain: str = "global"
+
+
+# The presets of insert_rejected (synchronous), insert_fails_after_accept and operation_errors (on
+# the operation); sources above.
+INSTANCE_ERRORS = {
+    # CA isReservationCapacityExceeded / TestErrors
+    "reservation_full": InstanceError(
+        "CONDITION_NOT_MET",
+        "Specified reservation '{reservation}' does not have available resources for the request.",
+        412,
+        "conditionNotMet",
+    ),
+    # CA isReservationNotFound / TestErrors
+    "reservation_not_found": InstanceError(
+        "CONDITION_NOT_MET", "Specified reservation '{reservation}' does not exist.", 412, "conditionNotMet"
+    ),
+    # CA isReservationIncompatible / TestErrors: the instance's properties (here its machine type)
+    # are not the reservation's.
+    "reservation_incompatible": InstanceError(
+        "CONDITION_NOT_MET", "No available resources in specified reservations '{reservation}'", 412, "conditionNotMet"
+    ),
+    # CA isVmExternalIpAccessPolicyConstraintError / TestErrors
+    "org_policy": InstanceError(
+        "CONDITION_NOT_MET",
+        "Instance '{name}' creation failed: Constraint constraints/compute.vmExternalIpAccess violated for "
+        "project {project_number}.",
+        412,
+        "conditionNotMet",
+    ),
+    # CA isTpuConfigurationInvalidError / TestErrors (the whole message there)
+    "unsupported_tpu_configuration": InstanceError(
+        "CONDITION_NOT_MET", "Unsupported TPU configuration", 412, "conditionNotMet"
+    ),
+    # Google's resource-availability page; the synchronous reason is the code, as public reports show
+    "zone_resource_pool_exhausted": InstanceError(
+        "ZONE_RESOURCE_POOL_EXHAUSTED", _ZONE_EXHAUSTED, 503, "ZONE_RESOURCE_POOL_EXHAUSTED"
+    ),
+    "zone_resource_pool_exhausted_with_details": InstanceError(
+        "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+        _ZONE_EXHAUSTED_WITH_DETAILS,
+        503,
+        "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+    ),
+    # CA isQuotaExceededErrorCode (operation); Google's bulk-creation page and SkyPilot (synchronous)
+    "quota_exceeded": InstanceError("QUOTA_EXCEEDED", _QUOTA, 403, "quotaExceeded", "usageLimits"),
+    # CA isPermissionsError (operation); Google's error catalog, gcloud and Terraform (synchronous)
+    "permission_denied": InstanceError("PERMISSIONS_ERROR", _PERMISSION, 403, "forbidden"),
+}
 
 # Operation error code → the message a failed operation carries when the fault names none.
 _OPERATION_ERROR_MESSAGES = {
-    "ZONE_RESOURCE_POOL_EXHAUSTED": _ZONE_EXHAUSTED,
-    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": _ZONE_EXHAUSTED_WITH_DETAILS,
-    "QUOTA_EXCEEDED": _QUOTA,
+    **{error.code: error.message for error in INSTANCE_ERRORS.values() if error.code != "CONDITION_NOT_MET"},
     "RESOURCE_NOT_FOUND": "The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found",
     "INTERNAL_ERROR": _INTERNAL,
-}
-
-# insert_rejected presets: (HTTP status, error reason, message) of a synchronous insert error.
-INSERT_REJECTIONS = {
-    "quota_exceeded": (403, "quotaExceeded", _QUOTA),
-    "zone_resource_pool_exhausted": (503, "ZONE_RESOURCE_POOL_EXHAUSTED", _ZONE_EXHAUSTED),
-    "zone_resource_pool_exhausted_with_details": (
-        503, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", _ZONE_EXHAUSTED_WITH_DETAILS,
-    ),
-    "reservation_not_found": (
-        400, "invalid", "Could not find the given reservation with the following name: {reservation}",
-    ),
-    "reservation_no_capacity": (
-        400, "invalid", "Reservation {reservation} does not have sufficient capacity for the requested resources.",
-    ),
-    # The instance's properties (here: its machine type) are not the reservation's.
-    "reservation_mismatch": (400, "invalid", "Reservation {reservation} is incorrect for the requested resources."),
 }
 
 # http_errors: the reason (and for some, the canonical status and error domain) an injected HTTP
@@ -221,6 +287,27 @@ def fill(template: str, **values: object) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: str(values.get(m.group(1), m.group(0))), template)
 
 
+def error_values(project: str, zone: str, body: dict) -> dict:
+    """The placeholders of an error message, from an insert's body (or the instance's resource)."""
+    values = (body.get("reservationAffinity") or {}).get("values") or ["-"]
+    return {
+        "project": project,
+        "project_number": zlib.crc32(project.encode()) + 10**11,  # the id get_project answers
+        "zone": zone,
+        "region": region_of(zone),
+        "name": body["name"],
+        "reservation": values[0].rsplit("/", 1)[-1],
+    }
+
+
+class ReservationRefused(Exception):
+    """A specific reservation the insert names cannot take it: the INSTANCE_ERRORS preset to fail with."""
+
+    def __init__(self, preset: str) -> None:
+        super().__init__(preset)
+        self.preset = preset
+
+
 # ----- faults --------------------------------------------------------------------------------------
 
 
@@ -235,11 +322,19 @@ class Faults:
 
     Kinds:
 
-    insert_fails_after_accept  {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "message": ...,
-                                "http_status": 503, "leave_instance": false, "count": N}
+    Presets (`"preset"`, see INSTANCE_ERRORS, where each shape's source is named): every class
+    of instance-creation error, in the shape of the place the fault injects it:
+    reservation_full, reservation_not_found, reservation_incompatible, org_policy,
+    unsupported_tpu_configuration (CONDITION_NOT_MET; synchronously 412 conditionNotMet),
+    zone_resource_pool_exhausted[_with_details] (503), quota_exceeded (QUOTA_EXCEEDED;
+    synchronously 403 quotaExceeded, domain usageLimits), permission_denied (PERMISSIONS_ERROR;
+    synchronously 403 forbidden). Explicit code, reason, status or message override the preset's.
+
+    insert_fails_after_accept  {"preset": "reservation_full"} or {"code": "ZONE_RESOURCE_POOL_EXHAUSTED",
+                                "message": ..., "http_status": 503, "leave_instance": false, "count": N}
         instances.insert answers with an operation as usual, which then ends DONE with this
-        error (httpErrorStatusCode from the code, or `http_status`); the instance is removed, or
-        left TERMINATED with no VM (`leave_instance`).
+        error (httpErrorStatusCode from the preset or code, or `http_status`); the instance is
+        removed, or left TERMINATED with no VM (`leave_instance`).
 
     http_errors  [{"method": "GET", "path_regex": "/instances/vm-1$", "status": 429,
                    "reason": "rateLimitExceeded", "message": ..., "retry_after": 1, "count": N}]
@@ -249,21 +344,16 @@ class Faults:
         RESOURCE_EXHAUSTED, a per-minute quota message; 503: backendError, UNAVAILABLE). A 429
         carries `Retry-After` (`retry_after` seconds, default 1; any status may set it).
 
-    insert_rejected  {"preset": "reservation_no_capacity"} or
+    insert_rejected  {"preset": "quota_exceeded"} or
                      {"reason": "quotaExceeded", "status": 403, "message": ..., "name_regex", "count"}
         instances.insert of a valid body fails synchronously with this error (no instance, no
-        operation). Presets (see INSERT_REJECTIONS): quota_exceeded (403 quotaExceeded),
-        zone_resource_pool_exhausted (503 ZONE_RESOURCE_POOL_EXHAUSTED),
-        zone_resource_pool_exhausted_with_details (503), reservation_not_found (400 invalid,
-        "Could not find the given reservation with the following name: NAME"),
-        reservation_no_capacity (400 invalid, "Reservation NAME does not have sufficient capacity
-        for the requested resources."), reservation_mismatch (400 invalid, "Reservation NAME is
-        incorrect for the requested resources."); explicit reason, status or message override the
-        preset. The same three errors come without a fault from real reservations (see
-        `ComputeEmulator.reservation_to_consume`); a fault is taken first, so it wins.
+        operation), the preset's status, reason, domain and message. Without a fault, a real
+        reservation that is missing in the zone, of another machine type or fully used fails the
+        insert on its operation (see `ComputeEmulator.reservation_to_consume`); a fault is taken
+        first, so it wins.
 
-    operation_errors  {"operation": "insert" | "delete", "code": "INTERNAL_ERROR", "message": ...,
-                       "http_status": 500, "leave_instance": false, "name_regex", "count"}
+    operation_errors  {"operation": "insert" | "delete", "preset" (insert only), "code": "INTERNAL_ERROR",
+                       "message": ..., "http_status": 500, "leave_instance": false, "name_regex", "count"}
         The call is accepted (an operation is returned), then the operation ends DONE with this
         error. insert: as insert_fails_after_accept. delete: the instance is not deleted; it keeps
         its status and its VM keeps running. Default code: insert ZONE_RESOURCE_POOL_EXHAUSTED,
@@ -353,8 +443,14 @@ class Faults:
             raise ValueError(f"'operation' must be one of {list(Faults.OPERATIONS)}")
 
     @staticmethod
+    def _preset(rule: dict) -> None:
+        if "preset" in rule and rule["preset"] not in INSTANCE_ERRORS:
+            raise ValueError(f"'preset' must be one of {sorted(INSTANCE_ERRORS)}")
+
+    @staticmethod
     def _check_insert_fails_after_accept(rule: dict) -> None:
-        Faults._keys(rule, {"code", "message", "leave_instance", "http_status"})
+        Faults._keys(rule, {"preset", "code", "message", "leave_instance", "http_status"})
+        Faults._preset(rule)
         Faults._str(rule, "code")
         Faults._str(rule, "message")
         Faults._status(rule, "http_status")
@@ -379,8 +475,7 @@ class Faults:
     @staticmethod
     def _check_insert_rejected(rule: dict) -> None:
         Faults._keys(rule, {"preset", "reason", "status", "message", "name_regex"})
-        if "preset" in rule and rule["preset"] not in INSERT_REJECTIONS:
-            raise ValueError(f"'preset' must be one of {sorted(INSERT_REJECTIONS)}")
+        Faults._preset(rule)
         if "preset" not in rule:
             Faults._str(rule, "reason", required=True)
         Faults._str(rule, "reason")
@@ -390,8 +485,11 @@ class Faults:
 
     @staticmethod
     def _check_operation_errors(rule: dict) -> None:
-        Faults._keys(rule, {"operation", "code", "message", "http_status", "leave_instance", "name_regex"})
+        Faults._keys(rule, {"operation", "preset", "code", "message", "http_status", "leave_instance", "name_regex"})
         Faults._operation(rule)
+        Faults._preset(rule)
+        if "preset" in rule and rule["operation"] != "insert":
+            raise ValueError("'preset' only applies to insert")
         Faults._str(rule, "code")
         Faults._str(rule, "message")
         Faults._status(rule, "http_status")
@@ -835,7 +933,10 @@ class ComputeEmulator:
             scheduling = resource["scheduling"]
             if rejection := self.faults.take("insert_rejected", name=name):
                 raise self._insert_rejection(rejection, project, zone, body)
-            reservation = self.reservation_to_consume(project, zone, body, resource)
+            try:
+                reservation, refused = self.reservation_to_consume(project, zone, body, resource), None
+            except ReservationRefused as refusal:  # the insert is accepted; its operation fails
+                reservation, refused = None, {"preset": refusal.preset}
             inst = Instance(project, zone, name, resource, image_dir)
             inst.reservation = reservation
             inst.termination_action = scheduling.get("instanceTerminationAction")
@@ -854,7 +955,8 @@ class ComputeEmulator:
             faults = InsertFaults(
                 hang=self.faults.take("operation_hangs", name=name, operation="insert"),
                 hang_epoch=self.faults.cleared("operation_hangs"),
-                fail=self.faults.take("insert_fails_after_accept")
+                fail=refused
+                or self.faults.take("insert_fails_after_accept")
                 or self.faults.take("operation_errors", name=name, operation="insert"),
             )
             if faults.fail is None:
@@ -866,22 +968,16 @@ class ComputeEmulator:
         return copy.deepcopy(op)
 
     def _insert_rejection(self, rule: dict, project: str, zone: str, body: dict) -> ApiError:
-        status, reason, message = INSERT_REJECTIONS.get(rule.get("preset", ""), (400, "invalid", ""))
-        status = rule.get("status", status)
-        reason = rule.get("reason", reason)
-        message = rule.get("message") or message or f"localcloud: injected insert rejection ({reason})."
-        values = (body.get("reservationAffinity") or {}).get("values") or ["-"]
+        """insert_rejected's synchronous error: the preset's shape, with the rule's overrides."""
+        preset = INSTANCE_ERRORS.get(rule.get("preset", ""))
+        status = rule.get("status", preset.status if preset else 400)
+        reason = rule.get("reason", preset.reason if preset else "invalid")
+        message = rule.get("message") or (preset.message if preset else f"localcloud: injected insert rejection ({reason}).")
         return ApiError(
             status,
             reason,
-            fill(
-                message,
-                project=project,
-                zone=zone,
-                region=region_of(zone),
-                name=body["name"],
-                reservation=values[0].rsplit("/", 1)[-1],
-            ),
+            fill(message, **error_values(project, zone, body)),
+            domain=preset.domain if preset and "reason" not in rule else None,
         )
 
     # ----- reservations ------------------------------------------------------------------------
@@ -898,7 +994,9 @@ class ComputeEmulator:
     def reservation_to_consume(
         self, project: str, zone: str, body: dict, resource: dict
     ) -> tuple[str, str, str] | None:
-        """The reservation a new instance consumes (under the lock), or the API's refusal.
+        """The reservation a new instance consumes (under the lock), or ReservationRefused naming
+        the INSTANCE_ERRORS preset the insert's operation then fails with (see the error catalog:
+        the sources show these errors on the operation).
 
         Only affinity SPECIFIC_RESERVATION by name (key compute.googleapis.com/reservation-name)
         is enforced; its value is a reservation of the instance's project, or
@@ -917,11 +1015,11 @@ class ComputeEmulator:
         key = (m.group("project") or project, zone, m.group("name")) if m else None
         reservation = self.reservations.get(key) if key else None
         if reservation is None:
-            raise self._insert_rejection({"preset": "reservation_not_found"}, project, zone, body)
+            raise ReservationRefused("reservation_not_found")
         if resource["machineType"].path.rsplit("/", 1)[1] != reservation.machine_type:
-            raise self._insert_rejection({"preset": "reservation_mismatch"}, project, zone, body)
+            raise ReservationRefused("reservation_incompatible")
         if self.reservation_in_use(reservation) >= reservation.count:
-            raise self._insert_rejection({"preset": "reservation_no_capacity"}, project, zone, body)
+            raise ReservationRefused("reservation_full")
         return reservation.key
 
     def _reservation_resource(self, reservation: Reservation) -> dict:
@@ -1495,8 +1593,14 @@ class ComputeEmulator:
             self._hang(faults.hang, faults.hang_epoch)
         if faults.fail is not None:
             fault = faults.fail
-            code = fault.get("code", "ZONE_RESOURCE_POOL_EXHAUSTED")
-            message = fault.get("message") or self._operation_message(code, inst)
+            preset = INSTANCE_ERRORS.get(fault.get("preset", ""))
+            code = fault.get("code") or (preset.code if preset else "ZONE_RESOURCE_POOL_EXHAUSTED")
+            if preset and preset.code != code:
+                preset = None  # an explicit code overrides the preset's message and status too
+            if message := fault.get("message") or (preset and preset.message):
+                message = fill(message, **error_values(inst.project, inst.zone, inst.resource))
+            else:
+                message = self._operation_message(code, inst)
             with self.lock:
                 if fault.get("leave_instance"):
                     # A stopped instance keeps its internal IP but loses its ephemeral external IP.
@@ -1506,7 +1610,7 @@ class ComputeEmulator:
                 else:
                     self.instances.pop((inst.project, inst.zone, inst.name), None)
                     self._release_ip(inst.ip)
-            self._op_done(op, (code, message), fault.get("http_status"))
+            self._op_done(op, (code, message), fault.get("http_status") or (preset and preset.status))
             return
         refuse_for = faults.ssh_refused["seconds"] if faults.ssh_refused else None
         hang_for = faults.ssh_banner_timeout["seconds"] if faults.ssh_banner_timeout else None
@@ -1564,9 +1668,7 @@ class ComputeEmulator:
 
     def _operation_message(self, code: str, inst: Instance) -> str:
         template = _OPERATION_ERROR_MESSAGES.get(code, "localcloud: injected operation error {code}.")
-        return fill(
-            template, code=code, project=inst.project, zone=inst.zone, region=region_of(inst.zone), name=inst.name
-        )
+        return fill(template, code=code, **error_values(inst.project, inst.zone, inst.resource))
 
     def _hang(self, rule: dict, epoch: int) -> None:
         """Keep the calling operation RUNNING for the rule's `seconds`, or until operation_hangs

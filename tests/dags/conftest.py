@@ -31,6 +31,7 @@ class PipelineRun:
     run_id: str
     task_states: dict[str, str]
     xcoms: dict[str, object]
+    try_numbers: dict[str, int] = dataclasses.field(default_factory=dict)  # each task's last try
     log: str = ""  # every log line of the run's tasks, as the task logs show them
 
 
@@ -99,6 +100,7 @@ def collect(dag_run) -> PipelineRun:
             run_id=dag_run.run_id,
             task_states={ti.task_id: str(ti.state) for ti in tis},
             xcoms={f"{x.task_id}.{x.key}": XComModel.deserialize_value(x) for x in xcoms},
+            try_numbers={ti.task_id: ti.try_number for ti in tis},
         )
 
 

@@ -29,6 +29,7 @@ class Fault:
     outcome: str = "failed"
     failed_task: str | None = None
     cause: str = ""  # text the run's error must contain
+    tries: int | None = None  # create_vm's tries, when the case is about them
     # The cloud deletes the VM (as a preemption does) once its training log has this text, up to
     # `preemptions` times; the MaxText faults are lifted after the last one.
     preempt_after: str | None = None
@@ -44,22 +45,51 @@ HELD_AT_STEP_5 = {"train_sft": {"stall_at_step": 5}}
 
 
 MATRIX = [
+    # Instance-creation errors, one row per class of maxtext_sft.cloud_errors, each in the shape and
+    # place Compute Engine reports it (the emulator's INSTANCE_ERRORS presets name their sources).
     Fault(
-        "create refused for capacity, no wait allowed",
+        "reservation full (on the operation), no wait allowed",
         conf={"max_capacity_wait_minutes": 0},
-        cloud={"insert_rejected": {"preset": "reservation_no_capacity", "count": 3}},
+        cloud={"operation_errors": {"operation": "insert", "preset": "reservation_full", "count": 3}},
         failed_task="create_vm",
         cause="no free capacity in reservation local-reservation",
+        tries=1,
     ),
     Fault(
-        "create refused for capacity: back to the capacity gate, then created",
-        cloud={"insert_rejected": {"preset": "reservation_no_capacity", "count": 1}},
+        "reservation full (on the operation): back to the capacity gate, then created",
+        cloud={"operation_errors": {"operation": "insert", "preset": "reservation_full", "count": 1}},
         outcome="success",
+        tries=1,
     ),
     Fault(
-        "create rejected: zone exhausted, then capacity",
-        cloud={"insert_rejected": {"preset": "zone_resource_pool_exhausted", "count": 1}},
+        "zone stockout once (on the operation): retried, then created",
+        cloud={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "count": 1}},
         outcome="success",
+        tries=2,
+    ),
+    *(
+        Fault(
+            f"create refused for good: {name}",
+            cloud={kind: {**({"operation": "insert"} if kind == "operation_errors" else {}), "preset": preset}},
+            failed_task="create_vm",
+            cause=cause,
+            tries=1,
+        )
+        for name, kind, preset, cause in (
+            ("quota (on the operation)", "operation_errors", "quota_exceeded",
+             "quota exceeded (QUOTA_EXCEEDED: Quota 'CPUS' exceeded."),
+            ("permission (synchronous 403)", "insert_rejected", "permission_denied",
+             "permission denied (forbidden: Required 'compute.instances.create' permission for"),
+            ("organisation policy (on the operation)", "operation_errors", "org_policy",
+             "organisation policy (CONDITION_NOT_MET: Instance 'maxtext-sft-"),
+            ("missing reservation (on the operation)", "operation_errors", "reservation_not_found",
+             "reservation not found (CONDITION_NOT_MET: Specified reservation 'local-reservation' does not exist.)"),
+            ("incompatible reservation (on the operation)", "operation_errors", "reservation_incompatible",
+             "reservation incompatible (CONDITION_NOT_MET: No available resources in specified reservations "
+             "'local-reservation')"),
+            ("unsupported TPU configuration (on the operation)", "operation_errors", "unsupported_tpu_configuration",
+             "unsupported TPU configuration (CONDITION_NOT_MET: Unsupported TPU configuration)"),
+        )
     ),
     Fault(
         "5xx, then success",
@@ -75,10 +105,11 @@ MATRIX = [
         cause="not the ssh-ed25519 key the VM published in its guest attributes",
     ),
     Fault(
-        "create fails after acceptance",
+        "create fails after acceptance, every time (a stockout leaving a TERMINATED instance)",
         cloud={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True}},
         failed_task="create_vm",
         cause="ZONE_RESOURCE_POOL_EXHAUSTED",
+        tries=3,  # retried with backoff, each retry deleting the instance the last one left
     ),
     Fault(
         "conversion fails",
@@ -181,6 +212,8 @@ def test_fault(fault, run_pipeline, local_cloud):
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert run.state == fault.outcome, run.task_states
+    if fault.tries is not None:
+        assert run.try_numbers["create_vm"] == fault.tries, run.try_numbers
     if fault.preempt_after and fault.outcome == "success":
         assert_resumed_after_last_checkpoint(
             run, local_cloud, checkpoint=3, steps=conf["steps"], recoveries=fault.recoveries

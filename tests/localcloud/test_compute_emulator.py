@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import paramiko
@@ -275,6 +276,30 @@ def test_gcloud_tutorial_commands_match_reference(compute_cloud, gcloud):
     assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
     assert not port_open(vm["ip"])
     assert compute_cloud.deleted_manifest("my-tpu") is not None
+
+
+def test_gcloud_reports_instance_creation_errors_as_the_cloud_does(compute_cloud, gcloud):
+    """The tutorial's create through gcloud: a full reservation fails on the operation, a missing
+    permission synchronously, and gcloud prints each the way public reports of the real API show
+    it ("Could not fetch resource: - Required 'compute.instances.create' permission for ...")."""
+    reference = json.loads(REFERENCE.read_text())
+    gcloud(f"gcloud config set api_endpoint_overrides/compute {compute_cloud.compute_endpoint}")
+    compute_cloud.add_reservation("my-reservation", 1, project="my-project", zone=ZONE)
+    try:
+        compute_cloud.set_faults({"operation_errors": {"operation": "insert", "preset": "reservation_full"}})
+        full = gcloud(reference["create_command"], fails=True)
+        compute_cloud.set_faults({"insert_rejected": {"preset": "permission_denied"}})
+        denied = gcloud(reference["create_command"], fails=True)
+    finally:
+        compute_cloud.set_faults({})
+    assert full.returncode != 0
+    assert "Specified reservation 'my-reservation' does not have available resources for the request." in full.stderr
+    assert denied.returncode != 0
+    assert (
+        "Could not fetch resource:\n - Required 'compute.instances.create' permission for "
+        f"'projects/my-project/zones/{ZONE}/instances/my-tpu'"
+    ) in denied.stderr, denied.stderr
+    assert not any(v["name"] == "my-tpu" for v in compute_cloud.vms())
 
 
 def test_gcloud_describes_and_lists_reservations(compute_cloud, gcloud):
@@ -984,6 +1009,8 @@ def test_fault_settings_are_validated(compute_cloud):
         {"insert_rejected": {"preset": "no_such_preset"}},
         {"operation_errors": {"operation": "setMetadata"}},
         {"operation_errors": {"operation": "delete", "leave_instance": True}},
+        {"operation_errors": {"operation": "delete", "preset": "reservation_full"}},
+        {"insert_fails_after_accept": {"preset": "no_such_preset"}},
         {"operation_hangs": {"operation": "insert", "seconds": -1}},
         {"ssh_refused": {}},
         {"ssh_refused": [1]},
@@ -1059,24 +1086,34 @@ def test_insert_rejected_synchronously(compute_cloud, compute_discovery):
         f"The zone 'projects/{PROJECT}/zones/{ZONE}' does not have enough resources available to fulfill the "
         "request.  Try a different zone, or try again later."
     )
+    project_number = zlib.crc32(PROJECT.encode()) + 10**11
+    condition = (412, "conditionNotMet", "global")
     cases = [
-        ({"preset": "reservation_no_capacity"}, 400, "invalid",
-         "Reservation my-reservation does not have sufficient capacity for the requested resources."),
-        ({"preset": "reservation_not_found"}, 400, "invalid",
-         "Could not find the given reservation with the following name: my-reservation"),
-        ({"preset": "quota_exceeded"}, 403, "quotaExceeded", "Quota 'CPUS' exceeded.  Limit: 0.0 in region us-east5."),
-        ({"preset": "zone_resource_pool_exhausted"}, 503, "ZONE_RESOURCE_POOL_EXHAUSTED", zone_message),
+        ({"preset": "reservation_full"}, *condition,
+         "Specified reservation 'my-reservation' does not have available resources for the request."),
+        ({"preset": "reservation_not_found"}, *condition, "Specified reservation 'my-reservation' does not exist."),
+        ({"preset": "reservation_incompatible"}, *condition,
+         "No available resources in specified reservations 'my-reservation'"),
+        ({"preset": "org_policy"}, *condition,
+         "Instance 'lc-rej-1' creation failed: Constraint constraints/compute.vmExternalIpAccess violated for "
+         f"project {project_number}."),
+        ({"preset": "unsupported_tpu_configuration"}, *condition, "Unsupported TPU configuration"),
+        ({"preset": "quota_exceeded"}, 403, "quotaExceeded", "usageLimits",
+         "Quota 'CPUS' exceeded.  Limit: 0.0 in region us-east5."),
+        ({"preset": "permission_denied"}, 403, "forbidden", "global",
+         f"Required 'compute.instances.create' permission for 'projects/{PROJECT}/zones/{ZONE}/instances/lc-rej-1'"),
+        ({"preset": "zone_resource_pool_exhausted"}, 503, "ZONE_RESOURCE_POOL_EXHAUSTED", "global", zone_message),
         ({"reason": "quotaExceeded", "status": 403, "message": "Quota 'TPUS' exceeded."}, 403, "quotaExceeded",
-         "Quota 'TPUS' exceeded."),
+         "global", "Quota 'TPUS' exceeded."),
     ]
     try:
-        for fault, status, reason, message in cases:
+        for fault, status, reason, domain, message in cases:
             compute_cloud.set_faults({"insert_rejected": fault})
             with pytest.raises(HttpError) as exc:
                 instances.insert(project=PROJECT, zone=ZONE, body=body("lc-rej-1")).execute()
             error = error_of(exc.value)
             assert (exc.value.resp.status, error["code"]) == (status, status), fault
-            assert error["errors"] == [{"message": message, "domain": "global", "reason": reason}], fault
+            assert error["errors"] == [{"message": message, "domain": domain, "reason": reason}], fault
             assert compute_cloud.get_faults() == {}  # once by default
             assert instance_or_none(compute_discovery, "lc-rej-1") is None
 
@@ -1163,27 +1200,31 @@ def test_instances_consume_a_specific_reservation_until_gone(compute_cloud, comp
     def in_use() -> str:
         return reservation_of(compute_discovery, "lc-resv-one")["specificReservation"]["inUseCount"]
 
-    def refused(name: str, **kwargs) -> tuple[int, dict]:
-        with pytest.raises(HttpError) as exc:
-            compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for(name, **kwargs)).execute()
+    def refused(name: str, **kwargs) -> dict:
+        """The insert is accepted and its operation fails; no instance is left."""
+        op = compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for(name, **kwargs)).execute()
+        done = wait(compute_discovery, op)
+        assert (done["httpErrorStatusCode"], done["httpErrorMessage"]) == (412, "PRECONDITION FAILED")
         assert instance_or_none(compute_discovery, name) is None
-        return exc.value.resp.status, error_of(exc.value)["errors"]
+        return done["error"]
 
-    def invalid(message: str) -> tuple[int, list]:
-        return 400, [{"message": message, "domain": "global", "reason": "invalid"}]
+    def condition_not_met(message: str) -> dict:
+        return {"errors": [{"code": "CONDITION_NOT_MET", "message": message}]}
 
-    not_found = "Could not find the given reservation with the following name: {}"
-    assert refused("lc-resv-x1", reservation="lc-resv-none") == invalid(not_found.format("lc-resv-none"))
+    not_found = "Specified reservation '{}' does not exist."
+    assert refused("lc-resv-x1", reservation="lc-resv-none") == condition_not_met(not_found.format("lc-resv-none"))
     # A reservation is zonal: one of that name in another zone does not count.
-    assert refused("lc-resv-x2", reservation="lc-resv-elsewhere") == invalid(not_found.format("lc-resv-elsewhere"))
-    assert refused("lc-resv-x3", reservation="lc-resv-one", machine_type="ct5lp-hightpu-4t") == invalid(
-        "Reservation lc-resv-one is incorrect for the requested resources."
+    assert refused("lc-resv-x2", reservation="lc-resv-elsewhere") == condition_not_met(
+        not_found.format("lc-resv-elsewhere")
+    )
+    assert refused("lc-resv-x3", reservation="lc-resv-one", machine_type="ct5lp-hightpu-4t") == condition_not_met(
+        "No available resources in specified reservations 'lc-resv-one'"
     )
     assert in_use() == "0"
 
     compute_vm("lc-resv-a", reservation="lc-resv-one")
     assert in_use() == "1"
-    full = invalid("Reservation lc-resv-one does not have sufficient capacity for the requested resources.")
+    full = condition_not_met("Specified reservation 'lc-resv-one' does not have available resources for the request.")
     # Also when named the way a shared reservation is (projects/P/reservations/NAME).
     assert refused("lc-resv-b", reservation=f"projects/{PROJECT}/reservations/lc-resv-one") == full
     # Instances that target no reservation by name are not held back by it.
@@ -1221,6 +1262,27 @@ def test_operation_errors_and_hangs(compute_cloud, compute_vm, compute_discovery
         }
         assert (done["httpErrorStatusCode"], done["httpErrorMessage"]) == (403, "FORBIDDEN")
         assert instance_or_none(compute_discovery, "lc-op-1") is None
+
+        # Presets: each class in its operation shape (code, message, httpErrorStatusCode).
+        presets = {
+            "reservation_full": ("CONDITION_NOT_MET", 412,
+                                 "Specified reservation '-' does not have available resources for the request."),
+            "org_policy": ("CONDITION_NOT_MET", 412,
+                           "Instance 'lc-op-1' creation failed: Constraint constraints/compute.vmExternalIpAccess "
+                           f"violated for project {zlib.crc32(PROJECT.encode()) + 10**11}."),
+            "unsupported_tpu_configuration": ("CONDITION_NOT_MET", 412, "Unsupported TPU configuration"),
+            "permission_denied": ("PERMISSIONS_ERROR", 403, f"Required 'compute.instances.create' permission for "
+                                  f"'projects/{PROJECT}/zones/{ZONE}/instances/lc-op-1'"),
+            "quota_exceeded": ("QUOTA_EXCEEDED", 403, "Quota 'CPUS' exceeded.  Limit: 0.0 in region us-east5."),
+        }
+        for preset, (code, status, message) in presets.items():
+            kind = "insert_fails_after_accept" if preset == "quota_exceeded" else "operation_errors"
+            rule = {"preset": preset, "count": 1, **({"operation": "insert"} if kind == "operation_errors" else {})}
+            compute_cloud.set_faults({kind: rule})
+            done = wait(compute_discovery, instances.insert(project=PROJECT, zone=ZONE, body=body_for("lc-op-1")).execute())
+            assert done["error"] == {"errors": [{"code": code, "message": message}]}, preset
+            assert done["httpErrorStatusCode"] == status, preset
+            assert instance_or_none(compute_discovery, "lc-op-1") is None
 
         # delete: DONE with an error; the instance and its VM stay up.
         instance = compute_vm("lc-op-2")

@@ -21,7 +21,6 @@ from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_ZONE
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.operators.compute import refused_for_capacity
 from maxtext_sft.outcome import FAILURE_KEY
 from maxtext_sft.spec import RunSpec, build_run_spec
 
@@ -176,14 +175,25 @@ def test_a_full_reservation_holds_the_create_until_a_machine_is_given_back(gate_
     assert compute.get_instance(resource_id=ours.vm_name, project_id=ours.project_id, zone=ours.zone).status == "RUNNING"
 
 
-def test_an_insert_refused_for_capacity_goes_back_to_waiting(gate_dag, names, local_cloud, compute):
+# Where Compute Engine says a reservation is full: on the insert's operation (the shape the
+# sources show, and the emulator's own answer for a real full reservation), or, injectable,
+# synchronously (412 conditionNotMet).
+REFUSED_FOR_CAPACITY = {
+    "on the operation": ("operation_errors", {"operation": "insert"}, 200),
+    "synchronously": ("insert_rejected", {}, 412),
+}
+
+
+@pytest.mark.parametrize("where", sorted(REFUSED_FOR_CAPACITY))
+def test_an_insert_refused_for_capacity_goes_back_to_waiting(where, gate_dag, names, local_cloud, compute):
     """The reservation reads free, but the cloud refuses the insert twice (another run got there
     first): each refusal sends create_vm back to the trigger, and the third insert succeeds."""
+    kind, rule, refused_status = REFUSED_FOR_CAPACITY[where]
     reservation, spec_for = names
     add_reservation(local_cloud, reservation)
     ours = spec_for(reservation)
     local_cloud.set_faults(
-        {"insert_rejected": {"preset": "reservation_no_capacity", "name_regex": f"^{ours.vm_name}$", "count": 2}}
+        {kind: {**rule, "preset": "reservation_full", "name_regex": f"^{ours.vm_name}$", "count": 2}}
     )
 
     dag_run = gate_dag.test(run_conf=run_conf(ours))
@@ -191,12 +201,30 @@ def test_an_insert_refused_for_capacity_goes_back_to_waiting(gate_dag, names, lo
     assert task_instance(dag_run)[:2] == ("success", 1)  # no task retry: the gate waited
     requests = local_cloud.requests()
     inserts = inserts_of(requests, ours.vm_name)
-    assert [r["status"] for r in inserts] == [400, 400, 200]
+    assert [r["status"] for r in inserts] == [refused_status, refused_status, 200]
     assert len({r["query"]["requestId"] for r in inserts}) == 3  # a refused request's id is not reused
     for refused, following in zip(inserts, inserts[1:]):
         between = requests[requests.index(refused) + 1 : requests.index(following)]
         # The trigger's read, then create_vm's own before it inserts again.
         assert sum(is_read_of(r, reservation) for r in between) >= 2, between
+
+
+def test_a_refusal_that_cannot_pass_fails_at_once_naming_it(gate_dag, names, local_cloud, compute):
+    """An insert whose operation fails for a reason no wait or retry changes (here: no such
+    reservation, as the cloud sees it) fails the try without retries, naming code and message."""
+    reservation, spec_for = names
+    add_reservation(local_cloud, reservation)
+    ours = spec_for(reservation)
+    local_cloud.set_faults({"operation_errors": {"operation": "insert", "preset": "reservation_not_found"}})
+
+    dag_run = gate_dag.test(run_conf=run_conf(ours))
+
+    state, try_number, failure = task_instance(dag_run)
+    assert (state, try_number) == ("failed", 1)
+    assert (
+        f"reservation not found (CONDITION_NOT_MET: Specified reservation '{reservation}' does not exist.)" in failure
+    ), failure
+    assert len(inserts_of(local_cloud.requests(), ours.vm_name)) == 1
 
 
 def test_the_wait_is_bounded_and_then_fails_naming_the_reservation(gate_dag, names, local_cloud, compute):
@@ -233,17 +261,6 @@ def test_a_retry_adopts_its_vm_without_asking_the_reservation(gate_dag, names, l
     requests = local_cloud.requests()
     assert inserts_of(requests, ours.vm_name) == []
     assert not any(is_read_of(r, reservation) for r in requests)
-
-
-def test_only_a_full_reservation_is_a_refusal_for_capacity():
-    from google.api_core.exceptions import BadRequest, ServiceUnavailable
-
-    full = "Reservation r-1 does not have sufficient capacity for the requested resources."
-    assert refused_for_capacity(BadRequest(f"POST https://compute.googleapis.com/...: {full}"))
-    assert not refused_for_capacity(BadRequest("Reservation r-1 is incorrect for the requested resources."))
-    assert not refused_for_capacity(
-        ServiceUnavailable("ZONE_RESOURCE_POOL_EXHAUSTED: The zone 'projects/p/zones/z' does not have enough resources")
-    )
 
 
 def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud, compute):

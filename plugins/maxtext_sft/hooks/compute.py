@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from functools import cached_property
 
 from google.api_core.client_options import ClientOptions
@@ -17,8 +18,13 @@ from google.cloud.compute_v1.services.instances import InstancesClient
 from googleapiclient.discovery import build
 from googleapiclient.errors import HttpError
 
-from airflow.providers.google.cloud.hooks.compute import ComputeEngineHook
+from airflow.providers.google.cloud.hooks.compute import (
+    TIME_TO_SLEEP_IN_SECONDS,
+    ComputeEngineHook,
+    GceOperationStatus,
+)
 from airflow.providers.google.common.consts import CLIENT_INFO
+from maxtext_sft.cloud_errors import OperationFailed
 from maxtext_sft.hooks.endpoints import endpoint_override
 
 API_PATH = "compute/v1/"
@@ -74,6 +80,27 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             client_info=CLIENT_INFO,
             client_options=ClientOptions(api_endpoint=self.compute_api_endpoint[: -len(API_PATH)].rstrip("/")),
         )
+
+    def _wait_for_operation_to_complete(self, project_id: str, operation_name: str, zone: str | None = None) -> None:
+        """The provider's wait, polling the operation until DONE; a failed one raises
+        OperationFailed, which carries the operation's `error.errors[]` (code and message of each)
+        instead of only the provider's text of them, so callers classify data, not a string."""
+        service = self.get_conn()
+        while True:
+            self.log.info("Waiting for Operation to complete...")
+            if zone is None:
+                operation = self._check_global_operation_status(
+                    service=service, operation_name=operation_name, project_id=project_id, num_retries=self.num_retries
+                )
+            else:
+                operation = self._check_zone_operation_status(
+                    service, operation_name, project_id, zone, self.num_retries
+                )
+            if operation.get("status") == GceOperationStatus.DONE:
+                if operation.get("error"):
+                    raise OperationFailed(operation)
+                return
+            time.sleep(TIME_TO_SLEEP_IN_SECONDS)
 
     def get_host_keys(self, resource_id: str, zone: str, project_id: str) -> dict[str, str]:
         """The VM's SSH host keys as its guest agent publishes them: {key type: base64 key}.

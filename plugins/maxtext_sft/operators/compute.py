@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import NoReturn
 
-from google.api_core.exceptions import GoogleAPICallError, NotFound
+from google.api_core.exceptions import NotFound
 from google.cloud.compute_v1.types import Instance
 
 from airflow.providers.google.cloud.operators.compute import (
@@ -21,13 +21,10 @@ from airflow.providers.google.cloud.operators.compute import (
     ComputeEngineInsertInstanceOperator,
 )
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import EXPIRY_LABEL  # the epoch second after which the VM has outlived its lifetime
 from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
-
-# How Compute Engine words an insert into a full specific reservation ("Reservation NAME does not
-# have sufficient capacity for the requested resources.").
-RESERVATION_FULL = "does not have sufficient capacity"
 
 
 def _hook(operator) -> ComputeEngineEndpointHook:
@@ -71,23 +68,18 @@ def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Ins
     return None
 
 
-def refused_for_capacity(error: BaseException) -> bool:
-    """Whether the cloud refused an insert because its reservation is full: the API answers 400
-    with the reservation's message.
-
-    ZONE_RESOURCE_POOL_EXHAUSTED (503) does not count: it is about the zone's hardware, not the
-    reservation's count, which is what the gate reads, so the gate would not wait for it and the
-    insert would be refused again at once; the task's retries (exponential backoff) handle it.
-    """
-    return isinstance(error, GoogleAPICallError) and error.code == 400 and RESERVATION_FULL in str(error.message)
-
-
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     """Create the instance unless it exists: a retry adopts the VM this run already asked for.
 
     An instance left by a create that failed after the API accepted it (TERMINATED, say) is not
     adopted: it is deleted and created again. The insert's request id is made per try: the API
     answers a repeated request id with the first request's operation, failed ones included.
+
+    Every failed insert, refused at once or on its operation, is classified by
+    `maxtext_sft.cloud_errors` (one table): a full reservation goes to the capacity gate, a
+    stockout or a passing error is raised for the task's retries, and quota, permission,
+    organisation policy, a missing or unusable reservation or an unsupported configuration fail
+    the task at once (AirflowFailException naming the code and message): retrying cannot help.
 
     Capacity gate (with `reservation`): no more VMs at once than the reservation holds, across
     every DAG and person using it. Before inserting, the reservation's count minus inUseCount is
@@ -159,7 +151,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         if existing is not None:
             return Instance.to_dict(existing)
         if not self.reservation:
-            return self._create_instance(hook, context)
+            return self._insert(hook, context, deadline=None, count=None)
         capacity = hook.reservation_capacity(name=self.reservation, zone=self.zone, project_id=self.project_id)
         if capacity is None:
             raise AirflowFailException(
@@ -169,20 +161,36 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         if in_use >= count:
             self.log.info("Reservation %s: %d of %d machines in use", self.reservation, in_use, count)
             self._wait_for_capacity(deadline, count)
+        return self._insert(hook, context, deadline=deadline, count=count)
+
+    def _insert(self, hook: ComputeEngineEndpointHook, context, *, deadline: float | None, count: int | None) -> dict:
+        """Insert, and act on a refusal as `cloud_errors` says. An operation that failed after
+        the insert was accepted may leave an instance: the next create (after the wait, or a
+        retry) deletes it first (`adoptable_instance`), and delete_vm does whatever happens."""
         try:
             return self._create_instance(hook, context)
         except Exception as error:
-            if not refused_for_capacity(error):
+            verdict = classify(error)
+            if verdict is None or verdict.action is Action.RETRY:
+                if verdict is not None:
+                    self.log.warning("Insert refused: %s; the task's retries take it", verdict)
                 raise
-            self.log.warning("The cloud refused the insert for lack of capacity: %s", error)
-            self._wait_for_capacity(deadline, count)
+            if verdict.action is Action.WAIT_FOR_CAPACITY and count is not None:
+                self.log.warning("The cloud refused the insert for lack of capacity: %s", verdict)
+                self._wait_for_capacity(deadline, count, refusal=str(verdict.error))
+            raise AirflowFailException(
+                f"Compute Engine refused to create {self.resource_id}: {verdict} "
+                "(not retried: retrying cannot change this)"
+            ) from error
 
-    def _wait_for_capacity(self, deadline: float | None, count: int) -> NoReturn:
-        """Defer until the reservation has a machine free; fail once the deadline has passed."""
+    def _wait_for_capacity(self, deadline: float | None, count: int, refusal: str | None = None) -> NoReturn:
+        """Defer until the reservation has a machine free; fail once the deadline has passed
+        (naming the cloud's `refusal` of the insert, when that sent it here)."""
         if deadline is None:
             deadline = time.time() + float(self.max_capacity_wait_minutes) * 60
         if time.time() >= deadline:
-            raise AirflowFailException(self._gave_up(count, deadline))
+            because = f"; the cloud refused the insert: {refusal}" if refusal else ""
+            raise AirflowFailException(self._gave_up(count, deadline) + because)
         self.log.info(
             "Waiting (deferred, no worker slot) for a free machine in reservation %s until %s",
             self.reservation,

@@ -18,17 +18,18 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from googleapiclient.errors import HttpError
-
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 
 
 def passing_failure(error: Exception) -> bool:
-    """A failure worth reading again for: throttling, a server error, the network."""
-    if isinstance(error, HttpError):
-        return error.resp.status == 429 or error.resp.status >= 500
-    return isinstance(error, OSError)  # connection refused or reset, a socket timeout
+    """A failure worth reading again for: what the error table retries (throttling, a server
+    error), or the network."""
+    if isinstance(error, OSError):  # connection refused or reset, a socket timeout
+        return True
+    verdict = classify(error)
+    return verdict is not None and verdict.action is Action.RETRY
 
 
 def epoch_seconds(moment: float | int | str | datetime) -> float:
