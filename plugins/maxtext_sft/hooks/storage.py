@@ -72,3 +72,13 @@ class StorageEndpointHook(GCSHook):
         """Object names directly or deeper under `folder_uri`, relative to it, sorted."""
         bucket, prefix = split_gcs_uri(folder_uri)
         return sorted(name[len(prefix) + 1 :] for name in self.list(bucket, prefix=f"{prefix}/"))
+
+    def sizes_under(self, folder_uri: str) -> dict[str, int]:
+        """{name relative to `folder_uri`: size in bytes} of every object under it."""
+        bucket, prefix = split_gcs_uri(folder_uri)
+        blobs = self.get_conn().list_blobs(bucket, prefix=f"{prefix}/")
+        return {blob.name[len(prefix) + 1 :]: blob.size or 0 for blob in blobs}
+
+    def read_text(self, uri: str) -> str:
+        bucket, name = split_gcs_uri(uri)
+        return self.download(bucket, name).decode("utf-8")
