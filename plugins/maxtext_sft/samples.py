@@ -18,6 +18,7 @@ from typing import Any
 from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.outputs import ExportLayout, ExportLayoutError, check_export_folder
 from maxtext_sft.paths import include_dir
 
 GENERATION_TIMEOUT_SECONDS = 1800
@@ -39,8 +40,9 @@ def _generation_env(scratch: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
-    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`."""
+def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> ExportLayout:
+    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`; return its
+    checked layout (one model.safetensors, or the index and every shard it names)."""
     if location.startswith("gs://"):
         storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
         bucket, prefix = split_gcs_uri(location)
@@ -51,24 +53,28 @@ def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
             target = into / name
             target.parent.mkdir(parents=True, exist_ok=True)
             storage.download(bucket, f"{prefix}/{name}", filename=str(target))
-        return into
-    host, _, path = location.partition(":")
-    if host != socket.gethostname():
-        raise AirflowFailException(
-            f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
-            "give the fine-tune an output_location so that every worker can read its model"
-        )
-    shutil.copytree(path, into, dirs_exist_ok=True)
-    return into
+    else:
+        host, _, path = location.partition(":")
+        if host != socket.gethostname():
+            raise AirflowFailException(
+                f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
+                "give the fine-tune an output_location so that every worker can read its model"
+            )
+        shutil.copytree(path, into, dirs_exist_ok=True)
+    try:
+        return check_export_folder(into)
+    except ExportLayoutError as error:
+        raise AirflowFailException(f"The model at {location} is incomplete: {error}") from None
 
 
 def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_tokens: int, log) -> dict[str, Any]:
     """Generate one completion per prompt of include/eval/prompts.txt from the model of an Asset event."""
     python = generation_python()
     with tempfile.TemporaryDirectory(prefix="tuned-model-") as folder:
-        model_dir = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
-        log.info("Generating from %s (run %s, dataset %s@%s)", model["location"], model["run_name"],
-                 model["dataset"], model["dataset_revision"])
+        model_dir = Path(folder)
+        export = fetch_model(model["location"], model_dir, gcp_conn_id=gcp_conn_id)
+        log.info("Generating from %s (run %s, dataset %s@%s; %s weights: %s)", model["location"], model["run_name"],
+                 model["dataset"], model["dataset_revision"], export.layout, list(export.weight_files))
         eval_dir = include_dir() / "eval"
         done = subprocess.run(
             [python, str(eval_dir / "generate_samples.py"), str(model_dir), str(eval_dir / "prompts.txt"),
@@ -77,7 +83,12 @@ def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_token
         )
     if done.returncode != 0:
         raise AirflowFailException(f"Generation failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    samples = json.loads(done.stdout.strip().splitlines()[-1])["samples"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    samples, missing = result["samples"], result["missing_weights"]
+    if missing:
+        log.warning("%s weights the model expects are not in its files (randomly initialised): %s",
+                    len(missing), missing[:20])
     for sample in samples:
         log.info("%r -> %r", sample["prompt"], sample["completion"])
-    return {"model": model["location"], "run_name": model["run_name"], "samples": samples}
+    return {"model": model["location"], "run_name": model["run_name"], "weight_layout": export.layout,
+            "weight_files": list(export.weight_files), "missing_weights": missing, "samples": samples}
