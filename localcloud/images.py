@@ -18,7 +18,8 @@ Kinds:
                                 gets the link, not 6 GB of copies)
           toy/                  made by image_recipes/make_toy_inputs.py with the venv's python
         The venv's site-packages has localcloud_toy.pth + toy_site.py (image_recipes/toy_site.py):
-        offline Hugging Face defaults and MaxText's gemma3-4b HF config shrunk to the toy model.
+        offline Hugging Face defaults, MaxText's gemma3-4b HF config shrunk to the toy model, and
+        the export's shard threshold lowered so that the toy export is sharded like a 4B one.
 
 CLI: `python -m localcloud.images fast|real` builds if needed and prints the image dir.
 """
@@ -224,6 +225,7 @@ def _toy_env() -> dict[str, str]:
 _REAL_CHECK = """
 import importlib.metadata, json, os
 from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
+from maxtext.checkpoint_conversion.utils.utils import shard_checkpoint
 from transformers import AutoTokenizer
 import maxtext.trainers.post_train.sft.train_sft  # the heaviest of the three entry points imports
 tokenizer = AutoTokenizer.from_pretrained("google/gemma-3-4b-it")
@@ -234,6 +236,7 @@ print(json.dumps({
     "tokenizer_size": len(tokenizer),
     "chat_template": bool(tokenizer.chat_template),
     "hf_hub_offline": os.environ.get("HF_HUB_OFFLINE"),
+    "export_sharded_below_3_gib": shard_checkpoint.__defaults__[0] < 3 * 1024**3,  # toy_site's threshold
 }))
 """
 
@@ -281,7 +284,8 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
     report = json.loads(output)
     toy = json.loads((image_dir / "toy" / "toy.json").read_text())
     expected = {"maxtext": "0.2.2", "torch": "2.13.0+cpu", "hidden_size": toy["maxtext_dims"]["base_emb_dim"],
-                "tokenizer_size": 262144, "chat_template": True, "hf_hub_offline": "1"}
+                "tokenizer_size": 262144, "chat_template": True, "hf_hub_offline": "1",
+                "export_sharded_below_3_gib": True}
     if report != expected:
         raise RuntimeError(f"the real image's venv does not work: {report} != {expected}")
 

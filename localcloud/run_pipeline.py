@@ -81,6 +81,8 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
         print("\nOutputs (the run record, also in storage):")
         for key in ("hf_export", "checkpoints", "base_checkpoint", "final_step", "final_loss"):
             print(f"  {key:<16} {record.get(key)}")
+        weights = record.get("hf_export_weight_files") or []
+        print(f"  {'weights':<16} {record.get('hf_export_layout')}: {', '.join(weights)}")
     published = airflow.xcom(run_id, "publish_to_hub")
     if published:
         print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "

@@ -20,12 +20,48 @@ if ! checkpoint_committed "${checkpoint_path%/model_params}"; then
 fi
 activate_maxtext_venv "$work_dir"
 python3 -m maxtext.checkpoint_conversion.to_huggingface "$@"
-for file in config.json model.safetensors; do
-  if [ ! -f "$output_dir/$file" ]; then
-    echo "export exited 0 but wrote no $output_dir/$file" >&2
-    exit 1
-  fi
-done
+# A complete export: config.json and either one model.safetensors or, above MaxText's 3 GiB
+# shard threshold (Gemma 3 4B always), model.safetensors.index.json with every shard its
+# weight_map names; nothing empty. Checked before the upload, so storage never gets half a model.
+python3 - "$output_dir" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+folder = Path(sys.argv[1])
+
+
+def fail(message):
+    sys.exit(f"export exited 0 but {message} in {folder}")
+
+
+def check_non_empty(name, what=""):
+    path = folder / name
+    if not path.is_file():
+        fail(f"wrote no {name}{what}")
+    if path.stat().st_size == 0:
+        fail(f"wrote an empty {name}{what}")
+
+
+check_non_empty("config.json")
+if (folder / "model.safetensors").exists():
+    check_non_empty("model.safetensors")
+    print("Weights: model.safetensors")
+elif (folder / "model.safetensors.index.json").exists():
+    try:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+    except ValueError as error:
+        fail(f"wrote a model.safetensors.index.json that is not JSON ({error})")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        fail("wrote a model.safetensors.index.json that names no shard")
+    shards = sorted({str(shard) for shard in weight_map.values()})
+    for shard in shards:
+        check_non_empty(shard, ", a shard named by model.safetensors.index.json")
+    print(f"Weights: {len(shards)} shards named by model.safetensors.index.json: {' '.join(shards)}")
+else:
+    fail("wrote neither model.safetensors nor model.safetensors.index.json")
+PY
 echo "Exported Hugging Face model to $output_dir:"
 ls -l "$output_dir"
 if [ -z "$upload_uri" ]; then

@@ -11,6 +11,11 @@ Loaded by `localcloud_toy.pth` in the venv's site-packages at every interpreter 
    from that hard-coded config (to_huggingface also writes it as the export's config.json), so it
    must describe the toy checkpoint, not the real 4B model. The values come from the toy model's
    own config.json, so the two cannot disagree.
+3. MaxText's export shards its weights above 3 GiB (`maxtext.checkpoint_conversion.utils.utils`:
+   `shard_checkpoint`, `DEFAULT_MAX_SHARD_SIZE`), so Gemma 3 4B (about 8.6 GB) is always exported
+   as model-0000N-of-0000M.safetensors plus model.safetensors.index.json. The toy weights (about
+   36 MB) would fit in one file; with the threshold lowered to TOY_MAX_SHARD_SIZE the toy export
+   has several shards too, so the pipeline reads the layout production writes.
 """
 
 import importlib.abc
@@ -23,7 +28,11 @@ from pathlib import Path
 # The venv is <image>/maxtext_venv; a VM user reaches it through ~/maxtext_venv, a symlink.
 IMAGE_DIR = Path(os.path.realpath(sys.prefix)).parent
 TOY_DIR = IMAGE_DIR / "toy"
-TARGET_MODULE = "maxtext.checkpoint_conversion.utils.hf_model_configs"
+CONFIGS_MODULE = "maxtext.checkpoint_conversion.utils.hf_model_configs"
+CONVERSION_UTILS_MODULE = "maxtext.checkpoint_conversion.utils.utils"
+# The toy embedding table alone is 32 MiB (bf16), the 34 layers about 2.5 MB: one shard for the
+# table (a tensor above the threshold gets a shard of its own) and a few for the layers.
+TOY_MAX_SHARD_SIZE = 1024 * 1024
 MODEL_KEY = "gemma3-4b"
 TEXT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "query_pre_attn_scalar", "num_hidden_layers", "vocab_size")
@@ -58,36 +67,62 @@ def _shrink(configs) -> None:
     config.mm_tokens_per_image = toy["mm_tokens_per_image"]
 
 
-class _ShrinkingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
+def _lower_shard_threshold(utils) -> None:
+    # save_model_files calls shard_checkpoint(weight_arrays) without max_shard_size, and that
+    # argument's default was bound to DEFAULT_MAX_SHARD_SIZE when the function was defined:
+    # rebinding the constant alone would change nothing. The default itself is replaced (the
+    # constant too, for the log lines that quote it); a signature that no longer has it fails here
+    # rather than leaving the toy export unsharded.
+    function = utils.shard_checkpoint
+    names = function.__code__.co_varnames[: function.__code__.co_argcount]
+    defaults = list(function.__defaults__)
+    position = names.index("max_shard_size") - (len(names) - len(defaults))
+    if position < 0 or defaults[position] != utils.DEFAULT_MAX_SHARD_SIZE:
+        raise RuntimeError(f"toy_site: {CONVERSION_UTILS_MODULE}.shard_checkpoint changed: {names} {defaults}")
+    defaults[position] = TOY_MAX_SHARD_SIZE
+    function.__defaults__ = tuple(defaults)
+    utils.DEFAULT_MAX_SHARD_SIZE = TOY_MAX_SHARD_SIZE
+
+
+# What to change in a module right after it is executed, by module name.
+PATCHES = {
+    CONFIGS_MODULE: lambda module: _shrink(module.HF_MODEL_CONFIGS),
+    CONVERSION_UTILS_MODULE: _lower_shard_threshold,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patch):
         self._loader = loader
+        self._patch = patch
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _shrink(module.HF_MODEL_CONFIGS)
+        self._patch(module)
 
     def __getattr__(self, name):  # get_source, get_filename, ... for tracebacks and inspect
         return getattr(self._loader, name)
 
 
-class _ShrinkingFinder(importlib.abc.MetaPathFinder):
+class _PatchingFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        patch = PATCHES.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _ShrinkingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, patch)
         return spec
 
 
 def install() -> None:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    if not any(isinstance(finder, _ShrinkingFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _ShrinkingFinder())
+    if not any(isinstance(finder, _PatchingFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchingFinder())
 
 
 install()

@@ -5,8 +5,14 @@ Pure functions of the RunSpec and the training's result, so tests need neither A
 
 from __future__ import annotations
 
+import json
 import math
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCardData
@@ -18,6 +24,91 @@ MODEL_CARD_NAME = "README.md"
 # Beside the run record: the training loss per step as a chart, and the run summary (summarize_run).
 LOSS_CURVE_NAME = "loss-curve.png"
 RUN_SUMMARY_NAME = "run-summary.json"
+
+# An export's files. MaxText's to_huggingface (checkpoint_conversion/utils/utils.py, 0.2.2:
+# SAFE_TENSORS_WEIGHTS_FILE, SAFE_TENSORS_INDEX_FILE, shard_checkpoint) writes one
+# model.safetensors when the weights fit in DEFAULT_MAX_SHARD_SIZE (3 GiB), else the shards
+# model-0000N-of-0000M.safetensors and the index whose weight_map names each tensor's shard:
+# Gemma 3 4B (about 8.6 GB in bf16) is always sharded.
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+class ExportLayoutError(ValueError):
+    """The export is not a complete model: the message names what is missing or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """A checked export: `single` (model.safetensors) or `sharded` (the index and its shards)."""
+
+    layout: str
+    weight_files: tuple[str, ...]  # the safetensors files that hold the weights, sorted
+
+    def describe(self) -> str:
+        if self.layout == "single":
+            return f"`{SINGLE_WEIGHTS_FILE}`"
+        return f"{len(self.weight_files)} safetensors shards, indexed by `{WEIGHTS_INDEX_FILE}`"
+
+
+def _shards_named_by(index_text: str) -> set[str]:
+    try:
+        index = json.loads(index_text)
+    except ValueError as error:
+        raise ExportLayoutError(f"{WEIGHTS_INDEX_FILE} is not JSON: {error}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportLayoutError(f"{WEIGHTS_INDEX_FILE} names no shard (its weight_map is missing or empty)")
+    shards = set(weight_map.values())
+    for shard in shards:
+        # A loader joins the name to the export folder: it must stay inside it.
+        if not isinstance(shard, str) or not shard or shard.startswith("/") or ".." in shard.split("/"):
+            raise ExportLayoutError(f"{WEIGHTS_INDEX_FILE} names a shard outside the export: {shard!r}")
+    return {posixpath.normpath(shard) for shard in shards}
+
+
+def check_export_layout(sizes: Mapping[str, int], read_text: Callable[[str], str]) -> ExportLayout:
+    """The layout of an export whose files (relative names) have the given sizes in bytes, or
+    ExportLayoutError. `read_text(name)` reads one of those files (only the index is read).
+
+    Complete means: a non-empty config.json, and either a non-empty model.safetensors or the
+    index with every shard its weight_map names present and non-empty. Shard-named files the
+    layout does not use (a stray shard, or shards beside a single file) and both layouts at once
+    are refused too: they would be published with the model and leave its weights ambiguous.
+    """
+    if not sizes.get(CONFIG_FILE):
+        raise ExportLayoutError(f"{CONFIG_FILE} is {'empty' if CONFIG_FILE in sizes else 'missing'}")
+    shard_files = {name for name in sizes if SHARD_FILE.fullmatch(name)}
+    if SINGLE_WEIGHTS_FILE in sizes and WEIGHTS_INDEX_FILE in sizes:
+        raise ExportLayoutError(f"both {SINGLE_WEIGHTS_FILE} and {WEIGHTS_INDEX_FILE}: which one is the model?")
+    if SINGLE_WEIGHTS_FILE in sizes:
+        if not sizes[SINGLE_WEIGHTS_FILE]:
+            raise ExportLayoutError(f"{SINGLE_WEIGHTS_FILE} is empty")
+        if shard_files:
+            raise ExportLayoutError(f"shards {sorted(shard_files)} beside {SINGLE_WEIGHTS_FILE}, with no index")
+        return ExportLayout("single", (SINGLE_WEIGHTS_FILE,))
+    if WEIGHTS_INDEX_FILE not in sizes:
+        found = f" (found {sorted(shard_files)} without it)" if shard_files else ""
+        raise ExportLayoutError(f"no weights: neither {SINGLE_WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}{found}")
+    named = _shards_named_by(read_text(WEIGHTS_INDEX_FILE))
+    missing = sorted(name for name in named if name not in sizes)
+    if missing:
+        raise ExportLayoutError(f"the shards {missing} named by {WEIGHTS_INDEX_FILE} are missing")
+    empty = sorted(name for name in named if not sizes[name])
+    if empty:
+        raise ExportLayoutError(f"the shards {empty} named by {WEIGHTS_INDEX_FILE} are empty")
+    stray = sorted(shard_files - named)
+    if stray:
+        raise ExportLayoutError(f"the shards {stray} are not named by {WEIGHTS_INDEX_FILE}")
+    return ExportLayout("sharded", tuple(sorted(named)))
+
+
+def check_export_folder(folder: Path) -> ExportLayout:
+    """check_export_layout on a local folder (its files, recursively)."""
+    sizes = {path.relative_to(folder).as_posix(): path.stat().st_size for path in folder.rglob("*") if path.is_file()}
+    return check_export_layout(sizes, lambda name: (folder / name).read_text(encoding="utf-8"))
 
 
 class FinalLossError(ValueError):
@@ -53,8 +144,11 @@ def _dataset_text(spec: RunSpec) -> str:
     return f"{where}, split `{spec.train_split}`, columns {', '.join(spec.train_data_columns)}, {revision}"
 
 
-def model_card(spec: RunSpec, *, final_step: int | None, final_loss: str | float | None) -> str:
-    """README.md of the exported model: Hub metadata in YAML front matter, then the facts."""
+def model_card(
+    spec: RunSpec, *, final_step: int | None, final_loss: str | float | None, export: ExportLayout | None = None
+) -> str:
+    """README.md of the exported model: Hub metadata in YAML front matter, then the facts
+    (`export`: the checked layout of the weights beside it)."""
     metadata = ModelCardData(
         base_model=spec.base_model_id,
         license=spec.base_model_license,
@@ -80,6 +174,8 @@ def model_card(spec: RunSpec, *, final_step: int | None, final_loss: str | float
     ]
     if spec.output_location:
         rows.append(("Checkpoints", f"`{spec.checkpoints_dir}`"))
+    if export:
+        rows.append(("Weights", export.describe()))
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return (
         f"---\n{metadata.to_yaml()}\n---\n\n"
@@ -100,12 +196,13 @@ def run_record(
     location: str | None = None,
     loss_history: list | None = None,
     loss_curve: str | None = None,
+    export: ExportLayout | None = None,
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs).
 
     `location` is where this record itself goes (the run summary points there); `loss_history`
     is [[step, loss or None], ...] from the training log (None: it could not be read);
-    `loss_curve` where its chart went.
+    `loss_curve` where its chart went; `export` the checked layout of the export.
     """
     return {
         "dag_id": spec.dag_id,
@@ -124,6 +221,9 @@ def run_record(
         "checkpoints": spec.checkpoints_dir if spec.durable else None,
         "checkpoints_durable": spec.durable,
         "hf_export": hf_export,
+        # "single" (model.safetensors) or "sharded" (model.safetensors.index.json and its shards)
+        "hf_export_layout": export.layout if export else None,
+        "hf_export_weight_files": list(export.weight_files) if export else None,
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
         "run_record": location,
         "loss_curve": loss_curve,

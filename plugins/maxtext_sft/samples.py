@@ -18,6 +18,7 @@ from typing import Any
 from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.outputs import ExportLayout, ExportLayoutError, check_export_folder
 from maxtext_sft.paths import include_dir
 from maxtext_sft.sizing import gb
 
@@ -40,8 +41,9 @@ def _generation_env(scratch: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
-    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`."""
+def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> ExportLayout:
+    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`; return its
+    checked layout (one model.safetensors, or the index and every shard it names)."""
     if location.startswith("gs://"):
         storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
         bucket, prefix = split_gcs_uri(location)
@@ -52,15 +54,18 @@ def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> Path:
             target = into / name
             target.parent.mkdir(parents=True, exist_ok=True)
             storage.download(bucket, f"{prefix}/{name}", filename=str(target))
-        return into
-    host, _, path = location.partition(":")
-    if host != socket.gethostname():
-        raise AirflowFailException(
-            f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
-            "give the fine-tune an output_location so that every worker can read its model"
-        )
-    shutil.copytree(path, into, dirs_exist_ok=True)
-    return into
+    else:
+        host, _, path = location.partition(":")
+        if host != socket.gethostname():
+            raise AirflowFailException(
+                f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
+                "give the fine-tune an output_location so that every worker can read its model"
+            )
+        shutil.copytree(path, into, dirs_exist_ok=True)
+    try:
+        return check_export_folder(into)
+    except ExportLayoutError as error:
+        raise AirflowFailException(f"The model at {location} is incomplete: {error}") from None
 
 
 # generate_samples.py loads the weights as float32, twice their bf16 bytes on disk, and needs room
@@ -71,7 +76,7 @@ LOAD_MEMORY_PER_MODEL_BYTE = 2.5
 def model_bytes(location: str, *, gcp_conn_id: str) -> int:
     """Size of the export at `location` (gs://..., or HOST:/path on this worker) before copying it."""
     if location.startswith("gs://"):
-        return StorageEndpointHook(gcp_conn_id=gcp_conn_id).bytes_under(location)
+        return sum(StorageEndpointHook(gcp_conn_id=gcp_conn_id).sizes_under(location).values())
     folder = Path(location.partition(":")[2])
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
@@ -111,9 +116,10 @@ def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_token
         location=model["location"],
     )
     with tempfile.TemporaryDirectory(prefix="tuned-model-") as folder:
-        model_dir = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
-        log.info("Generating from %s (run %s, dataset %s@%s)", model["location"], model["run_name"],
-                 model["dataset"], model["dataset_revision"])
+        model_dir = Path(folder)
+        export = fetch_model(model["location"], model_dir, gcp_conn_id=gcp_conn_id)
+        log.info("Generating from %s (run %s, dataset %s@%s; %s weights: %s)", model["location"], model["run_name"],
+                 model["dataset"], model["dataset_revision"], export.layout, list(export.weight_files))
         eval_dir = include_dir() / "eval"
         done = subprocess.run(
             [python, str(eval_dir / "generate_samples.py"), str(model_dir), str(eval_dir / "prompts.txt"),
@@ -122,7 +128,12 @@ def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_token
         )
     if done.returncode != 0:
         raise AirflowFailException(f"Generation failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    samples = json.loads(done.stdout.strip().splitlines()[-1])["samples"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    samples, missing = result["samples"], result["missing_weights"]
+    if missing:
+        log.warning("%s weights the model expects are not in its files (randomly initialised): %s",
+                    len(missing), missing[:20])
     for sample in samples:
         log.info("%r -> %r", sample["prompt"], sample["completion"])
-    return {"model": model["location"], "run_name": model["run_name"], "samples": samples}
+    return {"model": model["location"], "run_name": model["run_name"], "weight_layout": export.layout,
+            "weight_files": list(export.weight_files), "missing_weights": missing, "samples": samples}

@@ -98,7 +98,8 @@ def test_the_exported_model_existed_on_the_vm(happy_run, local_cloud):
     run, _ = happy_run
     manifest = local_cloud.deleted_manifest(run.xcoms["plan_run.vm_name"])
     files = {entry["path"] for entry in manifest}
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors.index.json", "model-00001-of-00004.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert any(path.endswith(f"gemma3-4b/hf-trained/{name}") for path in files), name
 
 
@@ -107,7 +108,10 @@ def test_without_an_output_location_the_export_is_copied_off_the_vm(happy_run):
     record = run.xcoms["collect_outputs.return_value"]
     assert record["checkpoints_durable"] is False and record["checkpoints"] is None
     export = Path(record["hf_export"].split(":", 1)[1])
-    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in export.iterdir()}
+    # Sharded as MaxText exports Gemma 3 4B: the index and every shard it names were copied.
+    assert (record["hf_export_layout"], len(record["hf_export_weight_files"])) == ("sharded", 4)
+    assert {"config.json", "model.safetensors.index.json", *record["hf_export_weight_files"], "README.md"} <= {
+        p.name for p in export.iterdir()}
     assert "final training loss" in (export / "README.md").read_text()
     assert json.loads((export.parent / "run-record.json").read_text())["run_id"] == run.run_id
     assert "the checkpoints were not durable" in run.log

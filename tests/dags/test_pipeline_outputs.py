@@ -14,6 +14,7 @@ import pytest
 import yaml
 from huggingface_hub import HfApi
 
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
 from maxtext_sft.spec import RunSpec
 from tests.conftest import local_bucket
@@ -55,8 +56,14 @@ def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucke
     run_prefix = f"sft/runs/{spec['run_name']}/"
     stored = names(bucket, run_prefix)
     assert {"checkpoints/12/commit_success.txt", "checkpoints/1/commit_success.txt"} <= stored
-    assert {"hf-export/config.json", "hf-export/model.safetensors", "hf-export/README.md", "run-record.json"} <= stored
+    # Sharded, as MaxText exports Gemma 3 4B: the index and every shard it names.
+    shards = [f"hf-export/model-0000{n}-of-00004.safetensors" for n in range(1, 5)]
+    assert {"hf-export/config.json", "hf-export/model.safetensors.index.json", *shards, "hf-export/README.md",
+            "run-record.json"} <= stored
+    assert "hf-export/model.safetensors" not in stored
     record = json.loads(bucket.blob(run_prefix + "run-record.json").download_as_bytes())
+    assert record["hf_export_layout"] == "sharded"
+    assert record["hf_export_weight_files"] == [name.removeprefix("hf-export/") for name in shards]
     assert record["checkpoints_durable"] is True
     assert record["checkpoints"] == f"gs://{BUCKET}/{run_prefix}checkpoints"
     assert record["hf_export"] == f"gs://{BUCKET}/{run_prefix}hf-export"
@@ -64,6 +71,7 @@ def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucke
     assert record == run.xcoms["collect_outputs.return_value"]
     card = bucket.blob(run_prefix + "hf-export/README.md").download_as_text()
     assert "12 steps, final training loss" in card
+    assert "| Weights | 4 safetensors shards, indexed by `model.safetensors.index.json` |" in card
 
 
 def test_the_loss_curve_and_the_loss_history_are_beside_the_run_record(durable_run, bucket):
@@ -83,7 +91,7 @@ def test_the_vm_was_deleted_after_the_upload_finished(durable_run, bucket):
     run, requests = durable_run
     spec = run.xcoms["plan_run.spec"]
     export = list(bucket.list_blobs(prefix=f"sft/runs/{spec['run_name']}/hf-export/"))
-    last_upload = max(blob.updated for blob in export if blob.name.endswith("model.safetensors"))
+    last_upload = max(blob.updated for blob in export if blob.name.endswith(".safetensors"))
     delete = next(r for r in requests if r["method"] == "DELETE" and "/instances/" in r["path"])
     assert last_upload < datetime.fromisoformat(delete["time"].replace("Z", "+00:00"))
 
@@ -95,7 +103,9 @@ def test_the_hub_repo_has_one_commit_with_the_export_and_the_card(durable_run, h
     assert len(ours) == 1 and commits[0].commit_id == ours[0].commit_id
     assert run.xcoms["publish_to_hub.return_value"]["commit"] == ours[0].commit_id
     files = set(hub.list_repo_files(HUB_REPO))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= files
+    weights = run.xcoms["collect_outputs.return_value"]["hf_export_weight_files"]
+    assert {"config.json", "model.safetensors.index.json", *weights, "tokenizer.json", "README.md"} <= files
+    assert len(weights) == 4
     card = hub.hf_hub_download(HUB_REPO, "README.md")
     metadata = yaml.safe_load(open(card).read().split("---\n")[1])
     assert metadata["base_model"] == "google/gemma-3-4b-it"
@@ -111,6 +121,44 @@ def test_running_the_publish_task_again_adds_no_commit(durable_run, hub):
     task.spec, task.record = run.xcoms["plan_run.spec"], run.xcoms["collect_outputs.return_value"]
     result = task.execute(context={})
     assert result["commit"] == before[0]
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
+
+
+@pytest.fixture
+def export_without_a_shard(durable_run, bucket):
+    """The durable run's export copied under another output location without its second shard;
+    returns the run's spec pointing there."""
+    run, _ = durable_run
+    spec = dict(run.xcoms["plan_run.spec"], output_location=f"gs://{BUCKET}/broken-export")
+    source = f"sft/runs/{spec['run_name']}/hf-export/"
+    for blob in bucket.list_blobs(prefix=source):
+        if not blob.name.endswith("model-00002-of-00004.safetensors"):
+            bucket.copy_blob(blob, bucket, f"broken-export/runs/{spec['run_name']}/hf-export/{blob.name[len(source):]}")
+    return spec
+
+
+def test_collect_outputs_refuses_an_export_missing_a_shard(durable_run, export_without_a_shard, bucket):
+    run, _ = durable_run
+    task = copy.copy(parse_pipeline_dag().get_task("collect_outputs"))
+    task.spec, task.training = export_without_a_shard, run.xcoms["wait_for_final_checkpoint.return_value"]
+    task.base_checkpoint, task.export = None, None
+    with pytest.raises(AirflowException, match=(
+        r"The export in gs://.*/broken-export/runs/.*/hf-export is incomplete: the shards "
+        r"\['model-00002-of-00004.safetensors'\] named by model.safetensors.index.json are missing"
+    )):
+        task.execute(context={})
+    assert not list(bucket.list_blobs(prefix=f"broken-export/runs/{export_without_a_shard['run_name']}/run-record"))
+
+
+def test_publish_refuses_an_export_missing_a_shard(durable_run, export_without_a_shard, hub):
+    run, _ = durable_run
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    task = copy.copy(parse_pipeline_dag().get_task("publish_to_hub"))
+    task.spec = dict(export_without_a_shard, run_id="manual__another_run")  # not published yet
+    export = RunSpec.from_dict(export_without_a_shard).hf_export_uri
+    task.record = dict(run.xcoms["collect_outputs.return_value"], hf_export=export)
+    with pytest.raises(AirflowFailException, match=f"Not publishing to {HUB_REPO}: the export at {export} is incomplete"):
+        task.execute(context={})
     assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
 
 

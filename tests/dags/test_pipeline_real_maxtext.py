@@ -9,6 +9,7 @@ import pytest
 
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
+from huggingface_hub import HfApi
 
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
@@ -26,7 +27,7 @@ def real_image(local_cloud):
 
 
 def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_the_model(
-    start_airflow, real_image, local_cloud
+    start_airflow, real_image, local_cloud, hf_token
 ):
     # What `make run` does, through Airflow's real components: MaxText itself writes its run
     # folder to gs:// (Orbax, tensorstore and gcsfs reach the local GCS from the VM), the export
@@ -58,6 +59,21 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     assert max(committed) == STEPS, names
     assert any(n.startswith("tensorboard/") for n in names), names
 
+    # MaxText sharded the export (the toy image lowers its 3 GiB threshold, as a 4B export
+    # exceeds it): the record names the shards, and the index and each shard are in storage...
+    record = airflow.xcom(run_id, "collect_outputs")
+    shards = record["hf_export_weight_files"]
+    assert record["hf_export_layout"] == "sharded" and len(shards) >= 3, record
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    exported = {n.removeprefix("hf-export/") for n in names if n.startswith("hf-export/")}
+    assert {"config.json", "model.safetensors.index.json", *shards} <= exported
+    assert "model.safetensors" not in exported
+    # ...and on the Hub, in the published commit.
+    published = airflow.xcom(run_id, "publish_to_hub")
+    hub = HfApi(endpoint=local_cloud.hub.endpoint, token=hf_token)
+    hub_files = set(hub.list_repo_files(published["repo_id"], revision=published["commit"]))
+    assert {"config.json", "model.safetensors.index.json", "README.md", *shards} <= hub_files
+
     # The tuned-model Asset event says where the model is and what made it...
     [event] = airflow.get("/api/v2/assets/events?source_dag_id=maxtext_sft")["asset_events"]
     assert event["source_run_id"] == run_id
@@ -78,6 +94,12 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     [samples] = airflow.xcom(triggered["dag_run_id"], "generate_samples", dag_id="maxtext_sft_sample_generations")
     prompts = (REPO / "include" / "eval" / "prompts.txt").read_text().split("\n")
     assert samples["model"] == extra["location"]
+    # It loaded the sharded export: every language-model weight came from the shards. (The
+    # text-only fine-tune, use_multimodal=False, exports no vision tower or projector.)
+    assert (samples["weight_layout"], samples["weight_files"]) == ("sharded", shards)
+    assert all(
+        name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for name in samples["missing_weights"]
+    ), samples["missing_weights"]
     assert [s["prompt"] for s in samples["samples"]] == [p for p in prompts if p]
     assert all(s["new_tokens"] > 0 for s in samples["samples"]), samples
 

@@ -24,8 +24,10 @@ from google.cloud import storage
 from localcloud import images
 from localcloud.cloud import storage_env
 from maxtext_sft.loss_curve import parse_loss_history
+from maxtext_sft.outputs import check_export_folder
 from maxtext_sft.spec import build_run_spec
 from maxtext_sft.vm_steps import STEPS, vm_scripts_dir
+from tests.plugins.test_outputs import SHARDS, write_export
 
 TOKEN = "hf_script_test_token_42"
 STATUS = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$", re.M)
@@ -206,14 +208,86 @@ def test_loss_history_prints_every_step_line_of_the_training_and_is_safe_to_run_
 
 
 def test_export_writes_the_hf_files_and_is_safe_to_run_twice(vm):
+    # The stand-in shards its export like MaxText's export of Gemma 3 4B.
     converted(vm)
     vm.run("start_training")
     assert vm.wait_for_training()[0]["state"] == "succeeded"
     for _ in range(2):
         result = vm.run("export")
         assert "Exported Hugging Face model" in result.stdout
+        assert "Weights: 4 shards named by model.safetensors.index.json: model-00001-of-00004.safetensors" in result.stdout
     export = vm.path(vm.spec.hf_export_dir)
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
+    assert {"config.json", "model.safetensors.index.json", "model-00004-of-00004.safetensors", "tokenizer.json"} <= {
+        p.name for p in export.iterdir()}
+    assert check_export_folder(export).layout == "sharded"
+
+
+def test_a_small_model_is_exported_as_one_model_safetensors(vm):
+    # Below MaxText's shard threshold the export is a single file (the stand-in's threshold raised).
+    vm.faults.write_text(json.dumps({"seconds_per_step": 0.002, "to_huggingface": {"max_shard_size": 1 << 20}}))
+    converted(vm)
+    vm.run("start_training")
+    assert vm.wait_for_training()[0]["state"] == "succeeded"
+    assert "Weights: model.safetensors" in vm.run("export").stdout
+    export = vm.path(vm.spec.hf_export_dir)
+    assert not list(export.glob("model-*")) and check_export_folder(export).weight_files == ("model.safetensors",)
+
+
+@pytest.fixture
+def export_check(tmp_path):
+    """export_to_hf.sh with a converter that writes nothing, so its check reads the files a test
+    puts in the output folder. Returns (the output folder, a runner of the script)."""
+    venv = tmp_path / "fake_venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'PATH="{venv}/bin:$PATH"\n')
+    python = venv / "bin" / "python3"
+    python.write_text('#!/bin/bash\n[ "$1 $2" = "-m maxtext.checkpoint_conversion.to_huggingface" ] && exit 0\n'
+                      'exec /usr/bin/python3 "$@"\n')
+    python.chmod(0o755)
+    vm = Vm(tmp_path, venv, {})
+    vm.path(vm.spec.final_checkpoint_path).mkdir(parents=True)  # a committed final step, on a local disk
+    return vm.path(vm.spec.hf_export_dir), lambda: vm.run("export", check=False)
+
+
+def test_the_export_check_accepts_either_layout(export_check):
+    folder, run = export_check
+    write_export(folder, "sharded")
+    result = run()
+    assert result.returncode == 0, result.stderr
+    assert f"Weights: 3 shards named by model.safetensors.index.json: {' '.join(SHARDS)}" in result.stdout
+    for shard in SHARDS + ["model.safetensors.index.json"]:
+        (folder / shard).unlink()
+    write_export(folder, "single")
+    result = run()
+    assert result.returncode == 0, result.stderr
+    assert "Weights: model.safetensors" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("damage", "error"),
+    [
+        (lambda folder: (folder / SHARDS[1]).unlink(),
+         f"wrote no {SHARDS[1]}, a shard named by model.safetensors.index.json"),
+        (lambda folder: (folder / SHARDS[2]).write_bytes(b""),
+         f"wrote an empty {SHARDS[2]}, a shard named by model.safetensors.index.json"),
+        (lambda folder: (folder / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}'),
+         "wrote a model.safetensors.index.json that names no shard"),
+        (lambda folder: (folder / "model.safetensors.index.json").write_text("{"),
+         "wrote a model.safetensors.index.json that is not JSON"),
+        (lambda folder: (folder / "model.safetensors.index.json").unlink(),
+         "wrote neither model.safetensors nor model.safetensors.index.json"),
+        (lambda folder: (folder / "config.json").unlink(), "wrote no config.json"),
+    ],
+    ids=["missing-shard", "empty-shard", "index-naming-no-shard", "unreadable-index", "no-weights", "no-config"],
+)
+def test_the_export_check_fails_an_incomplete_export_naming_what_is_missing(export_check, damage, error):
+    folder, run = export_check
+    write_export(folder, "sharded")
+    damage(folder)
+    result = run()
+    assert result.returncode == 1
+    assert f"export exited 0 but {error}" in result.stderr and f" in {folder}" in result.stderr
+    assert "MAXTEXT_SFT_RESULT" not in result.stdout
 
 
 def test_export_without_a_checkpoint_fails_clearly(vm):

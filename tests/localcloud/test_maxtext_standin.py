@@ -38,6 +38,16 @@ STEP_LINE = re.compile(
     r"TFLOP/s/device: \d+\.\d{3}, Tokens/s/device: \d+\.\d{3}, total_weights: \d+, loss: \d+\.\d{3}, "
     r"lm_loss: 0\.000, perplexity: 0\.000")
 FAST = 0.001  # seconds per step in most tests
+
+
+def safetensors_header(path) -> dict:
+    """A safetensors file's header (8-byte little-endian length, then JSON); the data must follow it."""
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    assert len(data) == 8 + length + max((info["data_offsets"][1] for name, info in header.items()
+                                          if name != "__metadata__"), default=0)
+    return header
 TOKEN = "hf_standin_test_token_123"
 
 
@@ -118,11 +128,19 @@ def test_pipeline_commands_produce_maxtext_layouts_and_logs(mt):
     result = mt(TO_HUGGINGFACE)
     assert result.returncode == 0, result.stderr
     out = mt.dir / "hf-trained"
+    # Sharded as MaxText shards Gemma 3 4B's export: the index names each tensor's shard.
+    shards = [f"model-0000{n}-of-00004.safetensors" for n in range(1, 5)]
     assert sorted(p.name for p in out.iterdir()) == [
-        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    data = (out / "model.safetensors").read_bytes()
-    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
-    assert header["__metadata__"]["step"] == "1000"
+        "chat_template.jinja", "config.json", *shards, "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    headers = {shard: safetensors_header(out / shard) for shard in shards}
+    assert index["weight_map"] == {name: shard for shard, header in headers.items() for name in header
+                                   if name != "__metadata__"}
+    assert index["metadata"]["total_size"] == sum(
+        end - start for header in headers.values() for name, info in header.items() if name != "__metadata__"
+        for start, end in [info["data_offsets"]])
+    assert {header["__metadata__"]["step"] for header in headers.values()} == {"1000"}
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
@@ -347,8 +365,7 @@ def test_pipeline_commands_on_gcs(mt, gcs):
         "checkpoints/1000/", "checkpoints/12/")
     result = mt(export, env_extra=gcs.env)
     assert result.returncode == 0, result.stderr
-    data = (mt.dir / "hf-trained/model.safetensors").read_bytes()  # the output stays a local folder
-    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    header = safetensors_header(mt.dir / "hf-trained/model-00001-of-00004.safetensors")  # the output stays local
     assert header["__metadata__"]["step"] == "12"
     assert header["__metadata__"]["source"] == f"gs://{gcs.bucket}/post-train/R/checkpoints/12/model_params"
 

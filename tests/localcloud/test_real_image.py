@@ -199,8 +199,8 @@ def test_tokenizer_and_shrunk_maxtext_config_in_the_venv(image_python):
 import importlib.util, json, sys, sysconfig, toy_site
 from transformers import AutoTokenizer
 utils = sysconfig.get_paths()["purelib"] + "/maxtext/checkpoint_conversion/utils"
-assert any(isinstance(finder, toy_site._ShrinkingFinder) for finder in sys.meta_path)
-spec = toy_site._ShrinkingFinder().find_spec(toy_site.TARGET_MODULE, [utils])
+assert any(isinstance(finder, toy_site._PatchingFinder) for finder in sys.meta_path)
+spec = toy_site._PatchingFinder().find_spec(toy_site.CONFIGS_MODULE, [utils])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 HF_MODEL_CONFIGS = module.HF_MODEL_CONFIGS
@@ -219,6 +219,24 @@ print(json.dumps({
     assert report["rendered"] == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
     assert report["prompt"] == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert report["hf"] == [64, 128, 2, 1, 32, GEMMA3_4B_LAYERS, GEMMA3_VOCAB]
+
+
+def test_the_export_shards_the_toy_weights_like_a_4b_export(image_python):
+    # MaxText shards an export above 3 GiB; the hook lowers that threshold for the toy weights,
+    # through the default argument save_model_files relies on (a plain import of the module).
+    report = run_image_python(image_python, """
+import json, numpy as np, toy_site
+from maxtext.checkpoint_conversion.utils import utils
+table = np.zeros((262144, 64), np.float16)  # the toy embedding table's size in bf16
+layer = np.zeros((64, 128), np.float16)
+weights = {"embed": table, **{f"layers.{i}": layer for i in range(200)}}
+shards, index = utils.shard_checkpoint(weights)
+print(json.dumps({"shards": sorted(shards), "named": sorted(set(index["weight_map"].values())),
+                  "threshold": utils.DEFAULT_MAX_SHARD_SIZE, "toy": toy_site.TOY_MAX_SHARD_SIZE}))
+""")
+    assert report["threshold"] == report["toy"] < 3 * 1024**3
+    assert len(report["shards"]) >= 3 and report["named"] == report["shards"]
+    assert report["shards"][0] == f"model-00001-of-{len(report['shards']):05d}.safetensors"
 
 
 def test_chat_datasets_in_ultrachat_layout(real_image, image_python):

@@ -8,7 +8,16 @@ import math
 import pytest
 import yaml
 
-from maxtext_sft.outputs import FinalLossError, check_final_loss, hub_commit_title, model_card, run_record
+from maxtext_sft.outputs import (
+    ExportLayoutError,
+    FinalLossError,
+    check_export_folder,
+    check_export_layout,
+    check_final_loss,
+    hub_commit_title,
+    model_card,
+    run_record,
+)
 from tests.plugins.test_spec import RUN_ID, make_spec
 
 
@@ -85,3 +94,99 @@ def test_the_record_keeps_the_loss_history_and_where_it_and_the_chart_went():
     assert record["loss_history"] == history
     assert record["loss_curve"] == f"gs://bkt/p/runs/{spec.run_name}/loss-curve.png"
     assert json.loads(json.dumps(record, allow_nan=False))["loss_history"] == history  # strict JSON: no NaN
+
+
+# ----- the export's layout: one model.safetensors, or the index and its shards ----------------
+
+SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+
+
+def sharded_index(shards: list[str]) -> str:
+    """An index as MaxText writes it: each tensor named with its shard."""
+    weight_map = {f"layers.{i}.weight": shard for i, shard in enumerate(shards)}
+    return json.dumps({"metadata": {"total_size": 8 * len(shards)}, "weight_map": weight_map})
+
+
+def write_export(folder, layout: str = "sharded", shards: list[str] = SHARDS) -> None:
+    """An export folder as to_huggingface leaves it (tokenizer files included), in either layout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "gemma3"}')
+    (folder / "tokenizer.json").write_text("{}")
+    if layout == "single":
+        (folder / "model.safetensors").write_bytes(b"weights")
+        return
+    (folder / "model.safetensors.index.json").write_text(sharded_index(shards))
+    for shard in shards:
+        (folder / shard).write_bytes(b"weights")
+
+
+def layout_of(files: dict[str, int], index: str | None = None):
+    return check_export_layout({**files, **({"model.safetensors.index.json": len(index)} if index else {})},
+                               lambda name: {"model.safetensors.index.json": index}[name])
+
+
+def test_a_single_file_export_is_its_model_safetensors():
+    export = layout_of({"config.json": 20, "model.safetensors": 100, "tokenizer.json": 5})
+    assert (export.layout, export.weight_files) == ("single", ("model.safetensors",))
+
+
+def test_a_sharded_export_is_its_index_and_every_shard_it_names():
+    export = layout_of({"config.json": 20, **dict.fromkeys(reversed(SHARDS), 100)}, sharded_index(SHARDS))
+    assert (export.layout, export.weight_files) == ("sharded", tuple(SHARDS))
+    assert export.describe() == "3 safetensors shards, indexed by `model.safetensors.index.json`"
+
+
+def test_a_local_folder_is_checked_the_same_way(tmp_path):
+    write_export(tmp_path / "sharded")
+    assert check_export_folder(tmp_path / "sharded").weight_files == tuple(SHARDS)
+    write_export(tmp_path / "single", "single")
+    assert check_export_folder(tmp_path / "single").layout == "single"
+    (tmp_path / "sharded" / SHARDS[1]).unlink()
+    with pytest.raises(ExportLayoutError, match="model-00002-of-00003.safetensors"):
+        check_export_folder(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize(
+    ("files", "index", "error"),
+    [
+        ({"config.json": 2, SHARDS[0]: 9, SHARDS[2]: 9}, sharded_index(SHARDS),
+         r"the shards \['model-00002-of-00003.safetensors'\] named by model.safetensors.index.json are missing"),
+        ({"config.json": 2, SHARDS[0]: 9, SHARDS[1]: 0, SHARDS[2]: 9}, sharded_index(SHARDS),
+         r"the shards \['model-00002-of-00003.safetensors'\] named by model.safetensors.index.json are empty"),
+        ({"config.json": 2, **dict.fromkeys(SHARDS, 9)}, sharded_index(SHARDS + ["model-00004-of-00003.safetensors"]),
+         r"the shards \['model-00004-of-00003.safetensors'\] named by .* are missing"),
+        ({"config.json": 2}, json.dumps({"metadata": {}, "weight_map": {}}), "names no shard"),
+        ({"config.json": 2}, json.dumps({"metadata": {}}), "names no shard"),
+        ({"config.json": 2}, "{not json", "model.safetensors.index.json is not JSON"),
+        ({"config.json": 2, "x.safetensors": 9}, sharded_index(["../x.safetensors"]), "names a shard outside the export"),
+        ({"config.json": 2, **dict.fromkeys(SHARDS, 9), "model-00001-of-00002.safetensors": 9}, sharded_index(SHARDS),
+         r"the shards \['model-00001-of-00002.safetensors'\] are not named by model.safetensors.index.json"),
+        ({"config.json": 2, "model.safetensors": 9, SHARDS[0]: 9}, None, "beside model.safetensors, with no index"),
+        ({"config.json": 2, "model.safetensors": 9}, sharded_index(SHARDS), "both model.safetensors and"),
+        ({"config.json": 2, "model.safetensors": 0}, None, "model.safetensors is empty"),
+        ({"config.json": 2, **dict.fromkeys(SHARDS, 9)}, None,
+         r"no weights: neither model.safetensors nor model.safetensors.index.json \(found \['model-00001"),
+        ({"config.json": 2, "tokenizer.json": 9}, None, "no weights"),
+        ({"model.safetensors": 9}, None, "config.json is missing"),
+        ({"config.json": 0, "model.safetensors": 9}, None, "config.json is empty"),
+    ],
+    ids=["missing-shard", "empty-shard", "index-names-an-absent-file", "empty-weight-map", "no-weight-map",
+         "index-not-json", "shard-outside-the-folder", "stray-shard", "shards-beside-the-single-file",
+         "both-layouts", "empty-single-file", "shards-without-index", "no-weights", "no-config", "empty-config"],
+)
+def test_an_incomplete_or_ambiguous_export_is_refused_naming_what_is_wrong(files, index, error):
+    with pytest.raises(ExportLayoutError, match=error):
+        layout_of(files, index)
+
+
+def test_the_card_and_the_record_name_the_layout_and_the_weight_files():
+    spec = make_spec(output_location="gs://bkt/p")
+    sharded = layout_of({"config.json": 2, **dict.fromkeys(SHARDS, 9)}, sharded_index(SHARDS))
+    card = model_card(spec, final_step=3, final_loss="1.0", export=sharded)
+    assert "| Weights | 3 safetensors shards, indexed by `model.safetensors.index.json` |" in card
+    record = run_record(spec, training={}, base_checkpoint=None, hf_export=spec.hf_export_uri, export=sharded)
+    assert (record["hf_export_layout"], record["hf_export_weight_files"]) == ("sharded", SHARDS)
+    single = layout_of({"config.json": 2, "model.safetensors": 9})
+    assert "| Weights | `model.safetensors` |" in model_card(spec, final_step=3, final_loss="1.0", export=single)
+    record = run_record(spec, training={}, base_checkpoint=None, hf_export=spec.hf_export_uri, export=single)
+    assert (record["hf_export_layout"], record["hf_export_weight_files"]) == ("single", ["model.safetensors"])

@@ -47,6 +47,17 @@ def test_create_once_writes_an_object_only_if_it_does_not_exist(hook):
     assert hook.names_under(f"gs://{BUCKET}/no-such-folder") == []
 
 
+def test_sizes_and_text_of_an_export_in_storage(hook):
+    folder = f"gs://{BUCKET}/export"
+    hook.upload(BUCKET, "export/model.safetensors.index.json", data='{"weight_map": {}}')
+    hook.upload(BUCKET, "export/model-00001-of-00002.safetensors", data=b"12345")
+    hook.upload(BUCKET, "export/empty.safetensors", data=b"")
+    hook.upload(BUCKET, "export-other/config.json", data="{}")  # beside the folder, not in it
+    assert hook.sizes_under(folder) == {"model.safetensors.index.json": 18, "model-00001-of-00002.safetensors": 5,
+                                        "empty.safetensors": 0}
+    assert hook.read_text(f"{folder}/model.safetensors.index.json") == '{"weight_map": {}}'
+
+
 def test_a_bad_endpoint_extra_is_refused(monkeypatch):
     monkeypatch.setenv(
         "AIRFLOW_CONN_BAD_GCS",

@@ -18,6 +18,11 @@ silently. All keys are optional:
       "to_huggingface": {"fail": "message"}
     }
 
+Not a fault: "to_huggingface": {"max_shard_size": BYTES} sets the export's shard threshold
+(see checkpoint_conversion/to_huggingface.py). By default the stand-in's export is sharded, like
+MaxText's export of Gemma 3 4B; a threshold above its few bytes of weights gives one
+model.safetensors, like a small model's.
+
 For a train_sft fault at step k (only steps this run actually trains count):
   crash_at_step       the step fails after the log line of step k-1 is written:
                       a Python traceback, exit 1, no checkpoint k.
@@ -92,7 +97,7 @@ _FAULT_KEYS = {
         "barrier",
     },
     "to_maxtext": {"fail", "barrier"},
-    "to_huggingface": {"fail", "barrier"},
+    "to_huggingface": {"fail", "barrier", "max_shard_size"},
 }
 
 

@@ -73,7 +73,12 @@ class StorageEndpointHook(GCSHook):
         bucket, prefix = split_gcs_uri(folder_uri)
         return sorted(name[len(prefix) + 1 :] for name in self.list(bucket, prefix=f"{prefix}/"))
 
-    def bytes_under(self, folder_uri: str) -> int:
-        """Total size of the objects under `folder_uri`."""
+    def sizes_under(self, folder_uri: str) -> dict[str, int]:
+        """{name relative to `folder_uri`: size in bytes} of every object under it."""
         bucket, prefix = split_gcs_uri(folder_uri)
-        return sum(blob.size or 0 for blob in self.get_conn().list_blobs(bucket, prefix=f"{prefix}/"))
+        blobs = self.get_conn().list_blobs(bucket, prefix=f"{prefix}/")
+        return {blob.name[len(prefix) + 1 :]: blob.size or 0 for blob in blobs}
+
+    def read_text(self, uri: str) -> str:
+        bucket, name = split_gcs_uri(uri)
+        return self.download(bucket, name).decode("utf-8")

@@ -22,7 +22,11 @@ from maxtext_sft.outputs import (
     LOSS_CURVE_NAME,
     MODEL_CARD_NAME,
     RUN_RECORD_NAME,
+    ExportLayout,
+    ExportLayoutError,
     FinalLossError,
+    check_export_folder,
+    check_export_layout,
     check_final_loss,
     hub_commit_title,
     model_card,
@@ -31,9 +35,6 @@ from maxtext_sft.outputs import (
 from maxtext_sft.paths import local_output_dir
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
-
-# Files an export must have to be a model (to_huggingface writes these and the tokenizer's).
-REQUIRED_EXPORT_FILES = ("config.json", "model.safetensors")
 
 
 class CollectOutputsOperator(BaseOperator):
@@ -55,24 +56,33 @@ class CollectOutputsOperator(BaseOperator):
 
     def execute(self, context) -> dict:
         spec = RunSpec.from_dict(self.spec)
-        card = model_card(spec, final_step=self.training["final_step"], final_loss=self.training["final_loss"])
         base_checkpoint = (self.base_checkpoint or {}).get("base_checkpoint")
         if spec.durable:
-            record = self._in_storage(spec, card, base_checkpoint)
+            record = self._in_storage(spec, base_checkpoint)
         else:
-            record = self._copied_off_the_vm(spec, card, base_checkpoint)
+            record = self._copied_off_the_vm(spec, base_checkpoint)
         if TUNED_MODEL in self.outlets:  # the event is emitted when this task succeeds
             context["outlet_events"][TUNED_MODEL].extra = tuned_model_event(spec, record)
         return record
 
-    def _in_storage(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
+    def _card(self, spec: RunSpec, export: ExportLayout) -> str:
+        return model_card(spec, final_step=self.training["final_step"], final_loss=self.training["final_loss"],
+                          export=export)
+
+    def _in_storage(self, spec: RunSpec, base_checkpoint: str | None) -> dict:
         storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
         export_uri = spec.hf_export_uri
         bucket, prefix = split_gcs_uri(export_uri)
-        missing = [name for name in REQUIRED_EXPORT_FILES if not storage.exists(bucket, f"{prefix}/{name}")]
-        if missing:
-            raise AirflowException(f"The export in {export_uri} lacks {missing}: was export_to_hf's upload complete?")
-        storage.upload(bucket, f"{prefix}/{MODEL_CARD_NAME}", data=card, mime_type="text/markdown")
+        try:
+            export = check_export_layout(
+                storage.sizes_under(export_uri), lambda name: storage.read_text(f"{export_uri}/{name}")
+            )
+        except ExportLayoutError as error:
+            raise AirflowException(
+                f"The export in {export_uri} is incomplete: {error}. Was export_to_hf's upload complete?"
+            ) from None
+        self.log.info("The export in %s is %s: %s", export_uri, export.layout, list(export.weight_files))
+        storage.upload(bucket, f"{prefix}/{MODEL_CARD_NAME}", data=self._card(spec, export), mime_type="text/markdown")
         history = self._loss_history_or_none(spec)
         curve = None
         if history:
@@ -81,14 +91,14 @@ class CollectOutputsOperator(BaseOperator):
             storage.upload(curve_bucket, curve_name, data=render_loss_curve(history), mime_type="image/png")
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri,
-            location=spec.run_record_uri, loss_history=history, loss_curve=curve,
+            location=spec.run_record_uri, loss_history=history, loss_curve=curve, export=export,
         )
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
         self.log.info("Outputs of %s: %s", spec.run_name, json.dumps(record, indent=1))
         return record
 
-    def _copied_off_the_vm(self, spec: RunSpec, card: str, base_checkpoint: str | None) -> dict:
+    def _copied_off_the_vm(self, spec: RunSpec, base_checkpoint: str | None) -> dict:
         folder = local_output_dir() / spec.dag_id / spec.run_name
         export_dir = folder / "hf-export"
         hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
@@ -96,10 +106,12 @@ class CollectOutputsOperator(BaseOperator):
             files = hook.download_dir(spec.hf_export_dir, export_dir)
             history = self._loss_history(spec, hook)
         self.log.info("Copied the export off %s to %s: %s", spec.vm_name, export_dir, files)
-        missing = [name for name in REQUIRED_EXPORT_FILES if name not in files]
-        if missing:
-            raise AirflowException(f"The export on {spec.vm_name} lacks {missing}")
-        (export_dir / MODEL_CARD_NAME).write_text(card)
+        try:
+            export = check_export_folder(export_dir)
+        except ExportLayoutError as error:
+            raise AirflowException(f"The export on {spec.vm_name} ({spec.hf_export_dir}) is incomplete: {error}") from None
+        self.log.info("The export is %s: %s", export.layout, list(export.weight_files))
+        (export_dir / MODEL_CARD_NAME).write_text(self._card(spec, export))
         location = f"{socket.gethostname()}:{export_dir}"
         curve = None
         if history:
@@ -108,6 +120,7 @@ class CollectOutputsOperator(BaseOperator):
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location,
             location=f"{socket.gethostname()}:{folder / RUN_RECORD_NAME}", loss_history=history, loss_curve=curve,
+            export=export,
         )
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(
@@ -183,6 +196,13 @@ class PublishToHubOperator(BaseOperator):
                 return {"repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": commit.commit_id}
         with tempfile.TemporaryDirectory(prefix="maxtext-sft-publish-") as scratch:
             folder = self._export_folder(spec, Path(scratch))
+            try:  # checked again: what is uploaded is what this task read, not what collect_outputs saw
+                export = check_export_folder(folder)
+            except ExportLayoutError as error:
+                raise AirflowFailException(
+                    f"Not publishing to {spec.hub_repo_id}: the export at {self.record['hf_export']} is incomplete: {error}"
+                ) from None
+            self.log.info("Publishing the %s export: %s", export.layout, list(export.weight_files))
             info = api.upload_folder(
                 repo_id=spec.hub_repo_id,
                 folder_path=folder,

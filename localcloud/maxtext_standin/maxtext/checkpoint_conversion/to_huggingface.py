@@ -2,14 +2,24 @@
 
 Reads the stand-in checkpoint at load_parameters_path (a complete step's
 model_params, in a local folder or on gs://) and writes small fake Hugging Face
-files to BASE_OUTPUT_DIRECTORY (a local folder, as in MaxText): config.json, model.safetensors (a valid safetensors
-file whose metadata names the source checkpoint), tokenizer.json,
-tokenizer_config.json and chat_template.jinja. Like MaxText it refuses model
-dimensions that differ from the Hugging Face model's unless
+files to BASE_OUTPUT_DIRECTORY (a local folder, as in MaxText): config.json, the
+weights, tokenizer.json, tokenizer_config.json and chat_template.jinja. Like MaxText it
+refuses model dimensions that differ from the Hugging Face model's unless
 --override_model_architecture is given.
+
+The weights are a few tiny BF16 tensors, laid out as MaxText 0.2.2 lays out an export
+(checkpoint_conversion/utils/utils.py: shard_checkpoint, save_weight_files): tensors in
+sorted order fill shards up to a size threshold, a tensor above it getting a shard of its
+own; one shard is written as model.safetensors, several as model-0000N-of-0000M.safetensors
+with model.safetensors.index.json ({"metadata": {"total_size": N}, "weight_map": {tensor:
+shard}}). MaxText's threshold is 3 GiB, so Gemma 3 4B (about 8.6 GB) is always sharded; the
+stand-in's default threshold shards its weights the same way (four shards), and the fault
+file's "to_huggingface": {"max_shard_size": BYTES} changes it. Every file's safetensors
+metadata names the source checkpoint.
 """
 
 import json
+import math
 import struct
 import sys
 import time
@@ -27,13 +37,62 @@ else message['role'] %}<start_of_turn>{{ role }}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
 
-def write_safetensors(path, metadata):
-    """A valid safetensors file holding one tiny BF16 tensor; `metadata` goes in its header."""
-    header = {"__metadata__": {key: str(value) for key, value in metadata.items()},
-              "standin.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}
+# The stand-in's weights: name -> shape, BF16 (2 bytes an element), zeros.
+STANDIN_TENSORS = {
+    "model.embed_tokens.weight": [8, 4],
+    **{f"model.layers.{i}.weight": [4, 4] for i in range(4)},
+    "model.norm.weight": [4],
+}
+BF16_BYTES = 2
+# The embedding alone fills a shard, two layers each the next ones, the norm the last: 4 shards.
+DEFAULT_MAX_SHARD_SIZE = 64
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+def tensor_bytes(shape):
+    return math.prod(shape) * BF16_BYTES
+
+
+def write_safetensors(path, tensors, metadata):
+    """A valid safetensors file holding `tensors` (name -> shape, BF16 zeros); `metadata` goes in its header."""
+    header = {"__metadata__": {key: str(value) for key, value in metadata.items()}}
+    offset = 0
+    for name, shape in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + tensor_bytes(shape)]}
+        offset += tensor_bytes(shape)
     header_bytes = json.dumps(header).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads the header to 8 bytes
-    Path(path).write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + bytes(8))
+    Path(path).write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + bytes(offset))
+
+
+def shard(tensors, max_shard_size):
+    """[{name: shape}, ...]: tensors in sorted order, a new shard when the next would exceed the size."""
+    shards = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensor_bytes(tensors[name])
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    return shards
+
+
+def write_weights(out, max_shard_size, metadata):
+    shards = shard(STANDIN_TENSORS, max_shard_size)
+    if len(shards) == 1:
+        write_safetensors(out / SINGLE_WEIGHTS_FILE, shards[0], metadata)
+        return
+    weight_map = {}
+    for number, tensors in enumerate(shards, 1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / name, tensors, metadata)
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = sum(tensor_bytes(shape) for shape in STANDIN_TENSORS.values())
+    (out / WEIGHTS_INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2))
 
 
 def main(argv):
@@ -76,7 +135,7 @@ def main(argv):
         "vocab_size": dims["vocab_size"], "torch_dtype": config.weight_dtype,
         "maxtext_standin": {"hf_id": s.HF_IDS[config.model_name], "source": config.load_parameters_path},
     }, indent=2))
-    write_safetensors(out / "model.safetensors", {
+    write_weights(out, faults.get("to_huggingface", {}).get("max_shard_size", DEFAULT_MAX_SHARD_SIZE), {
         "format": "pt", "maxtext_standin": "true", "source": config.load_parameters_path,
         "step": source.get("step", 0), "run_name": source.get("run_name", "")})
     (out / "tokenizer.json").write_text(json.dumps({
