@@ -11,17 +11,6 @@ from tests.dags import fault_tally
 pytestmark = pytest.mark.e2e
 
 
-def try_number(run_id: str, task_id: str) -> int:
-    from airflow.models import TaskInstance
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        return session.scalar(
-            select(TaskInstance.try_number).where(TaskInstance.run_id == run_id, TaskInstance.task_id == task_id)
-        )
-
-
 @pytest.fixture
 def os_login_enforced(local_cloud, pipeline_connections):
     # What `gcloud compute project-info add-metadata --metadata enable-oslogin=TRUE` does.
@@ -40,7 +29,7 @@ def test_os_login_enforced_by_the_project_fails_wait_for_ssh_at_once(os_login_en
     assert run.task_states["create_vm"] == "success", run.task_states
     assert run.task_states["wait_for_ssh"] == "failed", run.task_states
     assert run.task_states["delete_vm"] == "success", run.task_states
-    assert try_number(run.run_id, "wait_for_ssh") == 1  # no retry: a retry would be refused too
+    assert run.try_numbers["wait_for_ssh"] == 1  # no retry: a retry would be refused too
     error = run.log[run.log.rindex("refused the SSH login") :][:2000]
     fault_tally.failed_run(error, "OS Login is enabled")
     assert "OS Login is enabled for VM" in error and "Param os_login" in error, error
