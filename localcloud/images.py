@@ -28,6 +28,7 @@ import argparse
 import base64
 import compileall
 import datetime
+import fcntl
 import hashlib
 import json
 import os
@@ -103,6 +104,18 @@ def _build_cached(kind: str, recipe: str, build, cache_root: Path | None) -> Pat
     if image_dir.is_dir():  # only ever created by a rename of a finished build
         return image_dir
     cache_root.mkdir(parents=True, exist_ok=True)
+    # One build at a time per image: a parallel test worker waits for the first builder's image
+    # instead of spending minutes of a 2-core machine building its own copy.
+    with open(cache_root / f".{image_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if image_dir.is_dir():
+            return image_dir
+        _build_into(kind, recipe, build, image_dir)
+    return image_dir
+
+
+def _build_into(kind: str, recipe: str, build, image_dir: Path) -> None:
+    cache_root = image_dir.parent
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=cache_root))
     try:
         build(tmp_dir)
@@ -119,7 +132,6 @@ def _build_cached(kind: str, recipe: str, build, cache_root: Path | None) -> Pat
             # A concurrent builder finished first; its image is as good as ours.
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return image_dir
 
 
 def _standin_files() -> list[Path]:

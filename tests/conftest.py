@@ -22,6 +22,7 @@ from localcloud.connections import (
 )
 from localcloud.images import TUTORIAL_IMAGE, build_fast_image
 from localcloud.postgres import PostgresInUse, PostgresServer
+from tests.dags import fault_tally
 
 REPO = Path(__file__).resolve().parents[1]
 _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="maxtext-sft-airflow-"))
@@ -52,6 +53,31 @@ os.environ.update(
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_AIRFLOW_HOME, ignore_errors=True)
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its tally goes to the controller
+        session.config.workeroutput["fault_tally"] = dict(fault_tally.TALLY)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's `--dist loadgroup` (make test): a file's tests stay on one worker, so
+    its module-scoped fixtures (one pipeline run that many tests read, say) run once; a file
+    marked `spread` (independent whole-DAG runs, like the fault matrix) is dealt out test by test."""
+    for item in items:
+        if item.get_closest_marker("spread") is None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: add up the fault tallies of the workers."""
+    fault_tally.add(node.workeroutput.get("fault_tally", {}))
+
+
+def pytest_unconfigure(config):
+    """The fault tests' tally is the test output's last line (when any of them ran), printed once:
+    by the controller when tests ran in parallel workers."""
+    if fault_tally.TALLY["faults injected"] and not hasattr(config, "workeroutput"):
+        print(fault_tally.tally_line())
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,6 @@ from localcloud.connections import LOCAL_RUN_CONF
 from tests.conftest import REPO
 
 
-def pytest_unconfigure(config):
-    """The fault tests' tally is the test output's last line (when any of them ran)."""
-    tally = sys.modules.get("tests.dags.fault_tally")
-    if tally and tally.TALLY["faults injected"]:
-        print(tally.tally_line())
-
-
 @dataclasses.dataclass
 class PipelineRun:
     state: str

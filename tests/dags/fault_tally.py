@@ -1,6 +1,7 @@
 """The fault tests' tally: every test that injects a fault counts here, whichever file it is in.
 
-tests/dags/conftest.py prints it as the session's last line (when any fault test ran).
+tests/conftest.py prints it as the session's last line (when any fault test ran), adding up the
+tallies of pytest-xdist's workers when the tests ran in parallel.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ def failed_run(error: str, cause: str) -> None:
     TALLY["failed runs"] += 1
     if cause in error:
         TALLY["runs whose error named the cause"] += 1
+
+
+def add(counts: dict[str, int]) -> None:
+    for key, value in counts.items():
+        TALLY[key] += value
 
 
 def tally_line() -> str:

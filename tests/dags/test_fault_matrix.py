@@ -17,7 +17,8 @@ import pytest
 
 from tests.dags import fault_tally
 
-pytestmark = pytest.mark.e2e
+# Every row is an independent whole-DAG run: parallel workers may split them.
+pytestmark = [pytest.mark.e2e, pytest.mark.spread]
 
 
 @dataclasses.dataclass(frozen=True)
