@@ -70,8 +70,7 @@ class StorageEndpointHook(GCSHook):
 
     def names_under(self, folder_uri: str) -> list[str]:
         """Object names directly or deeper under `folder_uri`, relative to it, sorted."""
-        bucket, prefix = split_gcs_uri(folder_uri)
-        return sorted(name[len(prefix) + 1 :] for name in self.list(bucket, prefix=f"{prefix}/"))
+        return sorted(self.sizes_under(folder_uri))
 
     def sizes_under(self, folder_uri: str) -> dict[str, int]:
         """{name relative to `folder_uri`: size in bytes} of every object under it."""
