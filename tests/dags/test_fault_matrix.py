@@ -35,7 +35,7 @@ class Fault:
     # `preemptions` times; the MaxText faults are lifted after the last one.
     preempt_after: str | None = None
     preemptions: int = 1
-    cloud_after_preempt: dict | None = None  # cloud faults set right after the (last) preemption
+    cloud_after_preempt: dict | None = None  # cloud faults set for the (last) preemption, as it happens
     recoveries: int = 1  # entries in the recovery ledger of a run that resumed
     durable: bool = False  # checkpoints in the local bucket (output_location)
 
@@ -243,19 +243,20 @@ def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: 
 
 def preempt_when_logged(cloud, text: str, times: int, cloud_faults: dict | None, timeout: float = 300) -> None:
     """Delete the run's VM the way the cloud does once its training log shows `text`, `times`
-    times (each recreated VM anew); then set `cloud_faults` and lift the MaxText faults, so a
-    resumed training finishes."""
+    times (each recreated VM anew), with `cloud_faults` set just before the last deletion (the
+    recovery may insert as soon as the VM is gone); then lift the MaxText faults, so a resumed
+    training finishes."""
     deadline = time.monotonic() + timeout
     while times and time.monotonic() < deadline:
         for vm in cloud.vms():
             homes = cloud.state_dir / "vms" / vm["name"] / "home"
             if any(text in log.read_text(errors="replace") for log in homes.glob("*/maxtext-sft-runs/*/train.log")):
+                if times == 1 and cloud_faults:
+                    cloud.set_faults(cloud_faults)
                 cloud.terminate_vm(vm["name"], "DELETE")
                 times -= 1
                 break
         time.sleep(0.2)  # polling interval; the VM's files are re-read each time
     if not times:
-        if cloud_faults:
-            cloud.set_faults(cloud_faults)
         cloud.set_vm_file("maxtext-faults.json", "{}")
 

@@ -42,8 +42,17 @@ def delete(cloud, name: str) -> None:
     assert "error" not in testing.wait_operation(compute, op, **WHERE)
 
 
+def reservation_reads(cloud, reservation: str) -> list[dict]:
+    return [r for r in cloud.requests() if r["method"] == "GET" and r["path"].endswith(f"/reservations/{reservation}")]
+
+
 def reads_of(cloud, reservation: str) -> int:
-    return sum(1 for r in cloud.requests() if r["method"] == "GET" and r["path"].endswith(f"/reservations/{reservation}"))
+    return len(reservation_reads(cloud, reservation))
+
+
+def read_times(cloud, reservation: str) -> list[float]:
+    """When the emulator answered each read of `reservation`, as epoch seconds, in order."""
+    return [datetime.fromisoformat(r["time"]).timestamp() for r in reservation_reads(cloud, reservation)]
 
 
 def trigger_for(
@@ -88,7 +97,11 @@ def test_times_out_at_the_deadline_with_the_reservation_still_full(full_reservat
 
     assert time.time() >= deadline
     assert event.payload == {"status": "timeout", "count": 1, "in_use": 1, "deadline": deadline}
-    assert reads_of(local_cloud, reservation) >= 4  # it kept looking until the deadline
+    # It kept looking until the deadline and read once more at it (how many reads fit before it
+    # depends on how fast this machine is, so only their order is asserted).
+    reads = read_times(local_cloud, reservation)
+    assert reads and reads[-1] >= deadline - 0.001, (reads, deadline)  # the log keeps milliseconds
+    assert all(t < deadline for t in reads[:-1]), (reads, deadline)
 
 
 def test_a_missing_reservation_is_an_error(local_cloud, pipeline_connections):
