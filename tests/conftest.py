@@ -15,12 +15,13 @@ import pytest
 
 from localcloud.cloud import LocalCloud
 from localcloud.connections import (
+    BARE_IMAGE_KEY,
     airflow_connection_env,
     generate_ssh_private_key,
     new_hf_token,
     prepare_local_cloud,
 )
-from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from localcloud.images import TUTORIAL_IMAGE, build_bare_image, build_fast_image
 from localcloud.postgres import PostgresInUse, PostgresServer
 from tests.dags import fault_tally
 
@@ -121,9 +122,9 @@ def postgres_url(postgres_server) -> str:
 
 @pytest.fixture(scope="session")
 def local_cloud(tmp_path_factory):
-    image = build_fast_image()
+    images = {TUTORIAL_IMAGE: build_fast_image(), BARE_IMAGE_KEY: build_bare_image()}
     state = tmp_path_factory.mktemp("cloud")
-    with LocalCloud(state, images={TUTORIAL_IMAGE: image}, keep_deleted_shm=True) as cloud:
+    with LocalCloud(state, images=images, keep_deleted_shm=True) as cloud:
         yield cloud
 
 
