@@ -125,11 +125,7 @@ class Airflow:
         """Migrate the database, start the four components and wait until they are healthy and
         the DAG is parsed (a dead run's leftovers in the same home are killed first)."""
         deadline = time.monotonic() + timeout
-        self._kill_marked()
-        shutil.rmtree(self.home, ignore_errors=True)
-        self.home.mkdir(parents=True)
-        self._env = {**self._component_env(), **self._auth_settings()}
-        atexit.register(self.stop)
+        self._prepare()
         try:
             self._migrate(deadline)
             for name in self.components:
@@ -140,6 +136,25 @@ class Airflow:
         except BaseException:
             self.stop()
             raise
+
+    def start_dag_processor(self, timeout: float = 240) -> None:
+        """Migrate the database and start the dag-processor alone: enough to parse the DAGs folder
+        and record each file's parse in the metadata database (bench/dag_parse.py)."""
+        self._prepare()
+        try:
+            self._migrate(time.monotonic() + timeout)
+            self.start_component("dag-processor")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _prepare(self) -> None:
+        """A fresh home (what a dead run left in it killed first) and the components' environment."""
+        self._kill_marked()
+        shutil.rmtree(self.home, ignore_errors=True)
+        self.home.mkdir(parents=True)
+        self._env = {**self._component_env(), **self._auth_settings()}
+        atexit.register(self.stop)
 
     def start_component(self, name: str) -> None:
         """Start one component (again, after a kill) in a session of its own."""

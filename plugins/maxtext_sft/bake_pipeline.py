@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, task
 from airflow.sdk.exceptions import AirflowFailException
@@ -71,6 +70,8 @@ def bake_params() -> dict[str, Param]:
 
 def plan_bake(context, *, gcp_conn_id: str, ssh_conn_id: str) -> dict[str, Any]:
     """The bake's spec and request bodies; fails (no retries) on bad input, before any VM."""
+    from airflow.providers.ssh.hooks.ssh import SSHHook  # paramiko: not at parse time
+
     dag_run = context["dag_run"]
     log = context["task"].log
     try:

@@ -1,0 +1,1 @@
+"""Benchmarks of the package (performance goals are measured here, not in timed tests)."""
