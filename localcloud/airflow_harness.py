@@ -103,6 +103,7 @@ class Airflow:
         celery_broker_url: str | None = None,
         celery_workers: int = 2,
         users: dict[str, str] | None = None,
+        database_migrated: bool = False,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -115,6 +116,9 @@ class Airflow:
         self.workers = [f"celery-worker-{n}" for n in range(1, celery_workers + 1)] if celery_broker_url else []
         self.components = COMPONENTS + tuple(self.workers)
         self.users = dict(users or {})
+        # True: database_url already holds Airflow's current schema (a copy of a migrated
+        # template), so start() skips `airflow db migrate`.
+        self.database_migrated = database_migrated
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -391,6 +395,8 @@ class Airflow:
             )
 
     def _migrate(self, deadline: float) -> None:
+        if self.database_migrated:
+            return
         log_path = self.log_path("db-migrate")
         process = self._spawn("db-migrate", ["db", "migrate"])
         try:
