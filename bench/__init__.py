@@ -1,0 +1,1 @@
+"""The benchmark (`make bench`): not product code and not a test. See bench/run.py."""
