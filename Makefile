@@ -14,10 +14,14 @@ MAXTEXT ?= real
 
 venv: $(VENV)/.synced
 
-$(VENV)/.synced: requirements-dev.lock
+# --compile-bytecode: every Python process here (each test worker, Airflow component and task)
+# would otherwise compile its imports from source when PYTHONDONTWRITEBYTECODE is set, as it is
+# on this machine kind: measured, half the CPU of a pipeline run in the tests (compute_v1 alone
+# is several seconds a process).
+$(VENV)/.synced: requirements-dev.lock Makefile
 	@command -v uv >/dev/null || python3 -m pip install -q "uv==$(UV_VERSION)"
 	uv venv -q --allow-existing --python 3.11 $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip sync -q requirements-dev.lock
+	VIRTUAL_ENV=$(VENV) uv pip sync -q --compile-bytecode requirements-dev.lock
 	@touch $@
 
 # Debian packages the local cloud and the tests need: OpenSSH's sshd plays each VM's SSH server;

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import airflow.providers.google.cloud.hooks.compute  # noqa: F401 - the DAG processor imports these once,
+import airflow.providers.google.cloud.hooks.gcs  # noqa: F401 - before it forks each parse
 from airflow.sdk import DAG, Param, conf, task
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import UNKNOWN, sweep

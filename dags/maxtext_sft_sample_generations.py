@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import airflow.providers.google.cloud.hooks.gcs  # noqa: F401 - the DAG processor imports it once, before it forks each parse
 from airflow.sdk import DAG, Param, task
 from maxtext_sft.lineage import TUNED_MODEL
 from maxtext_sft.samples import sample_generations

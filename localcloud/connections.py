@@ -101,6 +101,15 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
         "HF_HUB_DISABLE_XET": "1",
     }
 
+# The bare image (no MaxText: install_maxtext.sh installs the stand-in for real, offline) under a
+# family of its own: a run or a bake names it to start from an image without MaxText. A bake makes
+# BAKED_IMAGE_FAMILY in the run's project (maxtext_sft_bake_image's default family).
+BARE_IMAGE_PROJECT = "local-images"
+BARE_IMAGE_FAMILY = "ubuntu-2204-without-maxtext"
+BARE_IMAGE_KEY = f"{BARE_IMAGE_PROJECT}/{BARE_IMAGE_FAMILY}"
+BARE_IMAGE_CONF = {"image_project": BARE_IMAGE_PROJECT, "image_family": BARE_IMAGE_FAMILY}
+BAKED_IMAGE_CONF = {"image_project": LOCAL_PROJECT, "image_family": "maxtext-sft"}
+
 # The real MaxText image plays a custom boot image with MaxText preinstalled: runs select it with
 # the image Params, as a team would select its own image on Google Cloud.
 REAL_IMAGE_PROJECT = "local-images"

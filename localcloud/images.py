@@ -21,7 +21,9 @@ Kinds:
         offline Hugging Face defaults, MaxText's gemma3-4b HF config shrunk to the toy model, and
         the export's shard threshold lowered so that the toy export is sharded like a 4B one.
 
-CLI: `python -m localcloud.images fast|real` builds if needed and prints the image dir.
+  bare  no MaxText: install_maxtext.sh installs the stand-in for real, offline (build_bare_image).
+
+CLI: `python -m localcloud.images fast|real|bare` builds if needed and prints the image dir.
 """
 
 import argparse
@@ -159,6 +161,18 @@ def _build_fast(image_dir: Path) -> None:
     site_packages = Path(subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True).stdout.strip())
+    _install_standin(site_packages)
+
+    # Refuse to publish an image whose venv does not work.
+    check = "import importlib.metadata as m, maxtext; print(m.version('maxtext'), maxtext.__file__)"
+    output = subprocess.run([python, "-c", check], check=True, capture_output=True, text=True, cwd=image_dir).stdout
+    if not output.startswith(f"{STANDIN_VERSION} {site_packages}"):
+        raise RuntimeError(f"the fast image's venv does not work: {output!r}")
+
+
+def _install_standin(site_packages: Path) -> None:
+    """Put the MaxText stand-in into `site_packages` as an installed maxtext distribution: the
+    package, hash-checked .pyc files and a dist-info that importlib.metadata reads."""
     # Copy the source (not a link to the checkout): the VM user may not be able to read the checkout.
     for source in _standin_files():
         target = site_packages / source.relative_to(STANDIN_SOURCE)
@@ -180,12 +194,6 @@ def _build_fast(image_dir: Path) -> None:
     lines.append(f"{dist_info.name}/RECORD,,")
     (dist_info / "RECORD").write_text("\n".join(lines) + "\n")
 
-    # Refuse to publish an image whose venv does not work.
-    check = "import importlib.metadata as m, maxtext; print(m.version('maxtext'), maxtext.__file__)"
-    output = subprocess.run([python, "-c", check], check=True, capture_output=True, text=True, cwd=image_dir).stdout
-    if not output.startswith(f"{STANDIN_VERSION} {site_packages}"):
-        raise RuntimeError(f"the fast image's venv does not work: {output!r}")
-
 
 def build_fast_image(cache_root: Path | None = None) -> Path:
     """The image whose skel/maxtext_venv runs the MaxText stand-in; built once per recipe."""
@@ -194,6 +202,42 @@ def build_fast_image(cache_root: Path | None = None) -> Path:
 
 
 RECIPES_DIR = Path(__file__).resolve().parent / "image_recipes"
+BARE_RECIPE_DIR = RECIPES_DIR / "bare"
+# What install_maxtext.sh runs that needs the internet, as offline stand-ins (see build_bare_image).
+BARE_TOOLS = ("sudo", "apt-get", "curl")
+BARE_LIBS = ("uv", "uv-installer.sh", "install_tpu_post_train_extra_deps")
+
+
+def _bare_files() -> list[Path]:
+    return sorted(BARE_RECIPE_DIR.iterdir())
+
+
+def _build_bare(image_dir: Path, final_dir: Path) -> None:
+    """A base image without MaxText, on which install_maxtext.sh does its real work offline."""
+    (image_dir / "skel").mkdir()
+    for folder, names in (("bin", BARE_TOOLS), ("lib", BARE_LIBS)):
+        (image_dir / folder).mkdir()
+        for name in names:
+            text = (BARE_RECIPE_DIR / name).read_text().replace("@IMAGE_DIR@", str(final_dir))
+            (image_dir / folder / name).write_text(text)
+            (image_dir / folder / name).chmod(0o755)
+    _install_standin(image_dir / "packages" / f"maxtext-{STANDIN_VERSION}")
+    # The image's /etc/environment: its stand-ins come first on every SSH session's PATH.
+    path = f"{final_dir}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    (image_dir / "environment.json").write_text(json.dumps({"PATH": path}, indent=1) + "\n")
+
+
+def build_bare_image(cache_root: Path | None = None) -> Path:
+    """The base image without MaxText (what the tutorial's image is): `install_maxtext.sh` installs
+    it for real, offline. The internet tools it calls are stand-ins first on the VM's PATH
+    (`bin/`: sudo runs the command as the user, apt-get changes nothing, curl serves only uv's
+    installer, which installs the `lib/uv` stand-in); that uv makes the venv with Debian's Python
+    and installs `maxtext[tpu-post-train]==V` from `packages/maxtext-V/` (the MaxText stand-in,
+    as the fast image has it) — only V = 0.2.2 exists, any other version fails to resolve."""
+    recipe = _recipe_hash("bare", [*_bare_files(), *_standin_files()], Path(__file__).resolve().parent)
+    cache_root = check_cache_root(Path(cache_root) if cache_root is not None else cache_root_default())
+    final_dir = _image_dir("bare", recipe, cache_root)
+    return _build_cached("bare", recipe, lambda image_dir: _build_bare(image_dir, final_dir), cache_root)
 REAL_LOCK = RECIPES_DIR / "real-maxtext.lock"
 REAL_WHEEL_LOCK = RECIPES_DIR / "real-maxtext-wheel.lock"
 TOY_GENERATOR = RECIPES_DIR / "make_toy_inputs.py"
@@ -315,7 +359,7 @@ def build_real_image(cache_root: Path | None = None) -> Path:
     return _build_cached("real", recipe, lambda image_dir: _build_real(image_dir, final_dir), cache_root)
 
 
-IMAGE_KINDS = {"fast": build_fast_image, "real": build_real_image}
+IMAGE_KINDS = {"fast": build_fast_image, "real": build_real_image, "bare": build_bare_image}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from localcloud.airflow_harness import Airflow
 from localcloud.cloud import LocalCloud
 from localcloud.connections import (
+    BARE_IMAGE_KEY,
     LOCAL_RUN_CONF,
     REAL_IMAGE_KEY,
     LOCAL_OUTPUTS_CONF,
@@ -37,7 +38,7 @@ from localcloud.connections import (
     prepare_local_cloud,
     real_maxtext_run_conf,
 )
-from localcloud.images import TUTORIAL_IMAGE, build_fast_image, build_real_image
+from localcloud.images import TUTORIAL_IMAGE, build_bare_image, build_fast_image, build_real_image
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "run"
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     print(f"Building the local VM image for --maxtext={args.maxtext} (cached; the real one takes minutes once) ...")
     fast_image = build_fast_image()
-    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image})
+    # The bare image too: run conf may name its family (BARE_IMAGE_CONF) to install MaxText for real.
+    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image, BARE_IMAGE_KEY: build_bare_image()})
     if args.maxtext == "real":
         real_image = build_real_image()
         base_conf = real_maxtext_run_conf(real_image, outputs=True)

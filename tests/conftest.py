@@ -9,18 +9,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 
 from localcloud.cloud import LocalCloud
 from localcloud.connections import (
+    BARE_IMAGE_KEY,
     airflow_connection_env,
     generate_ssh_private_key,
     new_hf_token,
     prepare_local_cloud,
 )
-from localcloud.images import TUTORIAL_IMAGE, build_fast_image
+from localcloud.images import TUTORIAL_IMAGE, build_bare_image, build_fast_image
 from localcloud.postgres import PostgresInUse, PostgresServer
 from tests.dags import fault_tally
 
@@ -114,6 +116,31 @@ def postgres_server():
 
 
 @pytest.fixture(scope="session")
+def migrated_database(postgres_server):
+    """new_database(prefix) -> (name, url): a fresh database of the session server holding
+    Airflow's schema, copied from a template migrated once (CREATE DATABASE ... TEMPLATE copies
+    files: a second instead of an `airflow db migrate` per Airflow started)."""
+    template = "airflow_migrated_template"
+    template_url = None
+
+    def new_database(prefix: str) -> tuple[str, str]:
+        nonlocal template_url
+        if template_url is None:
+            url = postgres_server.create_database(template)
+            subprocess.run(
+                [sys.executable, "-m", "airflow", "db", "migrate"],
+                check=True,
+                capture_output=True,
+                env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url},
+            )
+            template_url = url
+        name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+        return name, postgres_server.create_database(name, template=template)
+
+    return new_database
+
+
+@pytest.fixture(scope="session")
 def postgres_url(postgres_server) -> str:
     """The SQLAlchemy URL of the session server's `airflow` database (not migrated)."""
     return postgres_server.url
@@ -121,9 +148,9 @@ def postgres_url(postgres_server) -> str:
 
 @pytest.fixture(scope="session")
 def local_cloud(tmp_path_factory):
-    image = build_fast_image()
+    images = {TUTORIAL_IMAGE: build_fast_image(), BARE_IMAGE_KEY: build_bare_image()}
     state = tmp_path_factory.mktemp("cloud")
-    with LocalCloud(state, images={TUTORIAL_IMAGE: image}, keep_deleted_shm=True) as cloud:
+    with LocalCloud(state, images=images, keep_deleted_shm=True) as cloud:
         yield cloud
 
 

@@ -17,6 +17,11 @@ the control call POST /_localcloud/reservations. An insert that targets a reserv
 when the reservation is missing from the zone, reserves another machine type or is fully used
 (see the error catalog); otherwise the instance consumes
 one unit of it until it is deleted or stopped (see `ComputeEmulator.reservation_in_use`).
+
+instances.stop keeps a VM's files; images.insert with `sourceDisk` makes an image of a boot disk
+(a global operation; the image READY when it is DONE), which instances boot from by name, family
+(global/images/family/F) or family view (zones/-/imageFamilyViews/F); see the images section and
+disk_images.py for what an image holds.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -41,7 +47,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._daemon import RequestLog
-from . import catalog, errors
+from . import catalog, disk_images, errors
 from .errors import ApiError
 from .filters import parse_filter
 from .guest import GuestAccounts, metadata_value
@@ -646,6 +652,7 @@ class Instance:
         self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
         self.published_host_key: tuple[str, str] | None = None  # host_key_mismatch: (type, base64)
         self.reservation: tuple[str, str, str] | None = None  # (project, zone, name) it consumes
+        self.boot_disk_id = new_id()  # the boot disk's own id (an image's sourceDiskId)
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
         self.work_lock = threading.Lock()
 
@@ -686,6 +693,25 @@ class Reservation:
         return f"projects/{self.project}/zones/{self.zone}/reservations/{self.name}"
 
 
+@dataclasses.dataclass
+class CustomImage:
+    """An image made by images.insert: its resource, and the folder a VM boots from once READY."""
+
+    project: str
+    resource: dict
+    image_dir: Path
+    sequence: int  # creation order: the newest of a family wins (creationTimestamp may tie)
+
+    @property
+    def name(self) -> str:
+        return self.resource["name"]
+
+    @property
+    def usable(self) -> bool:
+        """READY and not deprecated: what a family resolves to (images.getFromFamily)."""
+        return self.resource["status"] == "READY" and "deprecated" not in self.resource
+
+
 class ComputeEmulator:
     def __init__(
         self,
@@ -710,12 +736,15 @@ class ComputeEmulator:
         self.request_ids: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.reservations: dict[tuple[str, str, str], Reservation] = {}
         self.project_metadata: dict[str, dict] = {}  # project → commonInstanceMetadata
+        self.custom_images: dict[tuple[str, str], CustomImage] = {}  # (project, name) → image
+        self.image_sequence = 0
         self.ip_leases: dict[str, int] = {}  # address -> fd holding its machine-wide flock
         self.faults = Faults()
         self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
         self.closing = False
         (state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
         (state_dir / "vms").mkdir(parents=True, exist_ok=True)
+        (state_dir / "images").mkdir(parents=True, exist_ok=True)
         # Enforces VM time limits (scheduling.maxRunDuration / terminationTime).
         threading.Thread(target=self._time_limit_loop, name="time-limits", daemon=True).start()
 
@@ -731,6 +760,12 @@ class ComputeEmulator:
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)", "get_instance"),
         ("DELETE", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)", "delete_instance"),
         ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/setMetadata", "set_metadata"),
+        ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/stop", "stop_instance"),
+        ("GET", r"projects/(?P<project>[^/]+)/global/images", "list_images"),
+        ("POST", r"projects/(?P<project>[^/]+)/global/images", "insert_image"),
+        ("GET", r"projects/(?P<project>[^/]+)/global/images/family/(?P<family>[^/]+)", "get_image_from_family"),
+        ("GET", r"projects/(?P<project>[^/]+)/global/images/(?P<image>[^/]+)", "get_image"),
+        ("DELETE", r"projects/(?P<project>[^/]+)/global/images/(?P<image>[^/]+)", "delete_image"),
         (
             "GET",
             r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<instance>[^/]+)/getGuestAttributes",
@@ -859,6 +894,13 @@ class ComputeEmulator:
         inst = self.instances.get((project, zone, name))
         if inst is None:
             raise errors.not_found(f"projects/{project}/zones/{zone}/instances/{name}")
+        return inst
+
+    def _changeable_instance(self, project: str, zone: str, name: str) -> Instance:
+        """The instance a mutating call acts on (under the lock): not one being deleted."""
+        inst = self._instance(project, zone, name)
+        if inst.deleting:
+            raise errors.not_ready(inst.path)
         return inst
 
     def get_instance(self, project: str, zone: str, instance: str, req: Request) -> dict:
@@ -1087,6 +1129,183 @@ class ComputeEmulator:
                 reservation.count, reservation.machine_type = count, machine_type
             return self._reservation_resource(reservation)
 
+    # ----- images ------------------------------------------------------------------------------
+    # Custom images made from a boot disk (images.insert with sourceDisk), the way a team bakes a
+    # VM with its software into an image family. Compute Engine v1's discovery document: images
+    # are global resources; insert, delete (and deprecate, not emulated) answer with a global
+    # operation; `status` is PENDING until the image is made, then READY ("An image can be used to
+    # create other resources, such as instances, only after ... the status is set to READY");
+    # getFromFamily "Returns the latest image that is part of an image family and is not
+    # deprecated". Only the sourceDisk kind of source is emulated.
+
+    def _newest_of_family(self, project: str, family: str) -> CustomImage | None:
+        """The newest READY, not deprecated image of `family` in `project` (under the lock)."""
+        found = [
+            image for image in self.custom_images.values()
+            if image.project == project and image.resource.get("family") == family and image.usable
+        ]
+        return max(found, key=lambda image: image.sequence, default=None)
+
+    def _base_image_resource(self, project: str, family: str) -> dict | None:
+        """A local base image (given to the emulator as PROJECT/FAMILY) as images.getFromFamily
+        answers for it: READY, named after its family."""
+        image_dir = self.images.get(f"{project}/{family}")
+        if image_dir is None:
+            return None
+        path = f"projects/{project}/global/images/{family}"
+        return {
+            "kind": "compute#image",
+            "id": str(zlib.crc32(path.encode()) + 10**18),
+            "creationTimestamp": "2024-01-01T00:00:00.000-00:00",
+            "name": family,
+            "family": family,
+            "sourceType": "RAW",
+            "status": "READY",
+            "selfLink": Link(path),
+        }
+
+    def list_images(self, project: str, req: Request) -> dict:
+        with self.lock:
+            resources = [copy.deepcopy(i.resource) for i in self.custom_images.values() if i.project == project]
+        return self._zonal_list("compute#imageList", f"projects/{project}/global/images", resources, req)
+
+    def get_image(self, project: str, image: str, req: Request) -> dict:
+        with self.lock:
+            found = self.custom_images.get((project, image))
+            if found is None:
+                raise errors.not_found(f"projects/{project}/global/images/{image}")
+            return copy.deepcopy(found.resource)
+
+    def get_image_from_family(self, project: str, family: str, req: Request) -> dict:
+        with self.lock:
+            found = self._newest_of_family(project, family)
+            if found is not None:
+                return copy.deepcopy(found.resource)
+            base = self._base_image_resource(project, family)
+            if base is None:
+                raise errors.not_found(f"projects/{project}/global/images/family/{family}")
+            return base
+
+    def _source_disk(self, project: str, source: str) -> tuple[Instance, dict, str]:
+        """The instance whose attached disk `source` names, that attached disk, and the disk's
+        path (under the lock). A disk lives here only as an instance's disk: one that no instance
+        holds (never made, or deleted with its auto-deleted instance) does not exist."""
+        m = re.fullmatch(r"(?:projects/(?P<p>[^/]+)/)?zones/(?P<z>[^/]+)/disks/(?P<d>[^/]+)", relative_url(source))
+        if not m:
+            raise errors.invalid_field_value("resource.sourceDisk", source, "Must be a URL to a disk resource.")
+        path = f"projects/{m.group('p') or project}/zones/{m.group('z')}/disks/{m.group('d')}"
+        for inst in self.instances.values():
+            for disk in inst.resource["disks"]:
+                if isinstance(disk.get("source"), Link) and disk["source"].path == path and disk.get("boot"):
+                    return inst, disk, path
+        raise errors.not_found(path)
+
+    def insert_image(self, project: str, req: Request) -> dict:
+        body = _validated_body(req, "compute.images.insert", "Image", "image_resource")
+        request_id = _one(req.query, "requestId")
+        force = (_one(req.query, "forceCreate") or "false").lower() == "true"
+        with self.lock:
+            if replayed := self._replayed(project, request_id):
+                return replayed
+            name = body["name"]
+            path = f"projects/{project}/global/images/{name}"
+            sources = [k for k in ("sourceDisk", "sourceImage", "sourceSnapshot", "rawDisk") if body.get(k)]
+            if len(sources) != 1:
+                # "Invalid resource usage: 'Must specify exactly one source for an image.'", 400
+                # (ansible-collections/google.cloud#378); the reason as for the API's other
+                # "Invalid resource usage" errors (see delete_instance).
+                raise ApiError(
+                    400, "invalidResourceUsage", "Invalid resource usage: 'Must specify exactly one source for an image.'."
+                )
+            if sources != ["sourceDisk"]:
+                raise errors.invalid(f"localcloud: images.insert from {sources[0]} is not emulated; use sourceDisk.")
+            if (project, name) in self.custom_images:
+                raise errors.already_exists(path)
+            family = body.get("family")
+            if family is not None and not _NAME.fullmatch(family):
+                raise errors.invalid_field_value("resource.family", family, f"Must be a match of regex '{_NAME.pattern}'")
+            self._check_labels(body.get("labels") or {}, "resource.labels")
+            inst, disk, disk_path = self._source_disk(project, body["sourceDisk"])
+            if inst.status != "TERMINATED" and not force:
+                # The disk of a VM that runs (or is not yet stopped) is in use: "The disk resource
+                # 'projects/P/zones/Z/disks/D' is already being used by 'projects/P/zones/Z/instances/I'",
+                # 400 resourceInUseByAnotherResource (hashicorp/terraform#23698 gives the body;
+                # ansible/ansible#61634 the same message from images.insert of an attached disk).
+                # Compute Engine's docs: stop the VM first, or pass forceCreate.
+                raise ApiError(
+                    400,
+                    "resourceInUseByAnotherResource",
+                    f"The disk resource '{disk_path}' is already being used by '{inst.path}'",
+                )
+            self.image_sequence += 1
+            resource = {
+                **{k: copy.deepcopy(v) for k, v in body.items() if k != "params"},
+                "kind": "compute#image",
+                "id": new_id(),
+                "creationTimestamp": now_rfc3339(),
+                "name": name,
+                "sourceDisk": Link(disk_path),
+                "sourceDiskId": inst.boot_disk_id,
+                "sourceType": "RAW",
+                "status": "PENDING",
+                "diskSizeGb": disk.get("diskSizeGb", "10"),
+                "labelFingerprint": new_fingerprint(),
+                # The default storage location is the multi-region of the disk's region.
+                "storageLocations": [region_of(inst.zone).split("-", 1)[0]],
+                "selfLink": Link(path),
+            }
+            image = CustomImage(
+                project, resource, self.state_dir / "images" / project / f"{name}-{resource['id']}", self.image_sequence
+            )
+            self.custom_images[(project, name)] = image
+            op = self._register_operation(project, None, "insert", path, resource["id"], request_id)
+        threading.Thread(target=self._run_image_insert, args=(image, inst, op), daemon=True).start()
+        return copy.deepcopy(op)
+
+    def _run_image_insert(self, image: CustomImage, inst: Instance, op: dict) -> None:
+        self._op_running(op)
+        try:
+            with inst.work_lock:  # the disk's files hold still while they are copied
+                if inst.vm is None or not inst.vm.root.is_dir():
+                    raise RuntimeError(f"the disk of {inst.path} has no files")
+                size = disk_images.capture(inst.vm.root, inst.image_dir, image.image_dir)
+        except Exception as exc:
+            log.exception("image %s failed", image.name)
+            with self.changed:
+                image.resource["status"] = "FAILED"
+            self._op_done(op, ("INTERNAL_ERROR", f"localcloud: {exc}"), 500)
+            return
+        with self.changed:
+            image.resource["status"] = "READY"
+            image.resource["archiveSizeBytes"] = str(size)
+        self._op_done(op)
+
+    def delete_image(self, project: str, image: str, req: Request) -> dict:
+        request_id = _one(req.query, "requestId")
+        with self.lock:
+            if replayed := self._replayed(project, request_id):
+                return replayed
+            found = self.custom_images.get((project, image))
+            if found is None:
+                raise errors.not_found(f"projects/{project}/global/images/{image}")
+            if found.resource["status"] == "PENDING":
+                raise errors.not_ready(f"projects/{project}/global/images/{image}")
+            found.resource["status"] = "DELETING"
+            op = self._register_operation(
+                project, None, "delete", f"projects/{project}/global/images/{image}", found.resource["id"], request_id
+            )
+        threading.Thread(target=self._run_image_delete, args=(found, op), daemon=True).start()
+        return copy.deepcopy(op)
+
+    def _run_image_delete(self, image: CustomImage, op: dict) -> None:
+        self._op_running(op)
+        with self.lock:
+            if self.custom_images.get((image.project, image.name)) is image:
+                del self.custom_images[(image.project, image.name)]
+        # VMs booted from it hold copies of its files: removing the folder takes nothing from them.
+        shutil.rmtree(image.image_dir, ignore_errors=True)
+        self._op_done(op)
+
     def _new_instance_resource(self, project: str, zone: str, body: dict) -> tuple[dict, Path | None]:
         """Semantic checks of an insert body, and the stored resource with GCE's own fields."""
         name = body["name"]
@@ -1203,6 +1422,17 @@ class ComputeEmulator:
             if m:
                 image_project = m.groupdict().get("p") or project
                 family = m.group("f")
+                by_family = "family" in pattern or "FamilyViews" in pattern
+                # The project's own images (images.insert) first: by name, or the newest usable
+                # one of a family; then the local base images this emulator was given.
+                if by_family:
+                    custom = self._newest_of_family(image_project, family)
+                else:
+                    custom = self.custom_images.get((image_project, family))
+                    if custom is not None and not custom.usable:
+                        raise errors.not_ready(f"projects/{image_project}/global/images/{family}")
+                if custom is not None:
+                    return custom.image_dir
                 key = f"{image_project}/{family}"
                 if key in self.images:
                     image_dir = self.images[key]
@@ -1385,9 +1615,7 @@ class ComputeEmulator:
         with self.lock:
             if replayed := self._replayed(project, request_id):
                 return replayed
-            inst = self._instance(project, zone, instance)
-            if inst.deleting:
-                raise errors.not_ready(inst.path)
+            inst = self._changeable_instance(project, zone, instance)
             if inst.resource.get("deletionProtection"):
                 # "googleapi: Error 400: Invalid resource usage: 'Resource cannot be deleted if
                 # it's protected against deletion.'., invalidResourceUsage"
@@ -1407,15 +1635,37 @@ class ComputeEmulator:
         self._spawn(self._run_delete, inst, op, hang, hang_epoch, fail, previous_status)
         return copy.deepcopy(op)
 
+    def stop_instance(self, project: str, zone: str, instance: str, req: Request) -> dict:
+        """instances.stop (discovery document: "Stops a running instance, shutting it down cleanly,
+        and allows you to restart the instance at a later time"): a zonal operation; the instance
+        goes STOPPING, then TERMINATED once its processes are gone. Its disk and files stay (an
+        image can be made of them), its internal IP too; the ephemeral external IP is released and
+        a reservation unit is given back. Stopping a stopped instance is a no-op operation."""
+        request_id = _one(req.query, "requestId")
+        with self.changed:
+            if replayed := self._replayed(project, request_id):
+                return replayed
+            inst = self._changeable_instance(project, zone, instance)
+            op = self._new_operation(inst, "stop", request_id)
+            stopping = inst.status != "TERMINATED"
+            if stopping:
+                self._begin_termination(inst, "STOP")
+        self._spawn(self._run_stop, inst, op, stopping)
+        return copy.deepcopy(op)
+
+    def _run_stop(self, inst: Instance, op: dict, stopping: bool) -> None:
+        self._op_running(op)
+        if stopping:
+            self._finish_termination(inst, "STOP")
+        self._op_done(op)
+
     def set_metadata(self, project: str, zone: str, instance: str, req: Request) -> dict:
         body = _validated_body(req, "compute.instances.setMetadata", "Metadata", "metadata_resource")
         request_id = _one(req.query, "requestId")
         with self.lock:
             if replayed := self._replayed(project, request_id):
                 return replayed
-            inst = self._instance(project, zone, instance)
-            if inst.deleting:
-                raise errors.not_ready(inst.path)
+            inst = self._changeable_instance(project, zone, instance)
             if body.get("fingerprint") != inst.resource["metadata"]["fingerprint"]:
                 raise errors.fingerprint_mismatch()
             self._check_metadata(body, "resource")
@@ -1622,9 +1872,12 @@ class ComputeEmulator:
                     inst.resource["status"] = "STAGING"
                     metadata = copy.deepcopy(inst.resource["metadata"])
                     project_metadata = copy.deepcopy(self._project_metadata(inst.project))
-                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=self.vm_env, fqdn=inst.fqdn)
+                # The image's own environment (its /etc/environment) over the cloud-wide one.
+                env = {**self.vm_env, **disk_images.image_environment(inst.image_dir)}
+                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=env, fqdn=inst.fqdn)
                 inst.vm = vm
                 vm.prepare()
+                disk_images.restore(inst.image_dir, vm.root)  # what an image of a boot disk holds
                 GuestAccounts(vm.root, _skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
                 if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
                     vm.start()

@@ -1,7 +1,7 @@
 """Declared jobs: a team's fine-tune as one small YAML file, run on its schedule.
 
 include/jobs/NAME.yaml declares the job (see include/jobs/README.md for the fields);
-dags/job_NAME.py, three lines, turns it into a DAG with `declared_job_dag("NAME.yaml")`. One
+dags/job_NAME.py, a few lines (a copy of dags/job_ultrachat_gemma3_nightly.py), turns it into a DAG with `declared_job_dag("NAME.yaml")`. One
 loader per file because Airflow records import errors per Python file: a broken config shows
 in the UI as that loader's import error, naming the file and the field, and hides no other job.
 

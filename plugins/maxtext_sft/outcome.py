@@ -21,17 +21,19 @@ def record_failure(context) -> None:
         context["ti"].xcom_push(key=FAILURE_KEY, value=text)
 
 
-def failed_tasks(states: dict[str, str | None], ignore: set[str]) -> dict[str, str | None]:
-    return {task_id: state for task_id, state in sorted(states.items()) if task_id not in ignore and state != "success"}
+def failed_tasks(
+    states: dict[str, str | None], ignore: set[str], ok: frozenset[str] = frozenset({"success"})
+) -> dict[str, str | None]:
+    return {task_id: state for task_id, state in sorted(states.items()) if task_id not in ignore and state not in ok}
 
 
-@task(retries=0)
-def check_run_outcome(**context):
-    """Fail the run, naming the tasks that did not succeed; teardowns alone cannot fail it."""
+def fail_unless_every_task_ok(context, what: str, ok: frozenset[str] = frozenset({"success"})) -> None:
+    """Fail naming the tasks of this run (setups and the calling task aside) whose state is not
+    in `ok`, with the errors they left (record_failure)."""
     ti, dag_run = context["ti"], context["dag_run"]
     states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
     setups = {t.task_id for t in context["dag"].tasks if t.is_setup}
-    not_ok = failed_tasks(states, ignore={ti.task_id, *setups})
+    not_ok = failed_tasks(states, ignore={ti.task_id, *setups}, ok=ok)
     if not_ok:
         listed = ", ".join(f"{task_id}={state}" for task_id, state in not_ok.items())
         vm = "the VM may still exist" if "delete_vm" in not_ok else "the VM was deleted"
@@ -41,4 +43,17 @@ def check_run_outcome(**context):
             if state == "failed" and (reason := ti.xcom_pull(task_ids=task_id, key=FAILURE_KEY))
         ]
         because = "\n".join(["", "Cause:", *causes]) if causes else ""
-        raise AirflowFailException(f"The fine-tune did not complete ({listed}); {vm}{because}")
+        raise AirflowFailException(f"{what} did not complete ({listed}); {vm}{because}")
+
+
+@task(retries=0)
+def check_run_outcome(**context):
+    """Fail the run, naming the tasks that did not succeed; teardowns alone cannot fail it."""
+    fail_unless_every_task_ok(context, "The fine-tune")
+
+
+@task(retries=0)
+def check_bake_outcome(**context):
+    """Fail the bake unless every task succeeded or was skipped (a family that already holds the
+    version skips the bake: that is success)."""
+    fail_unless_every_task_ok(context, "The bake", ok=frozenset({"success", "skipped"}))

@@ -15,8 +15,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import ModelCardData
-
 from maxtext_sft.spec import RunSpec
 
 RUN_RECORD_NAME = "run-record.json"
@@ -149,6 +147,8 @@ def model_card(
 ) -> str:
     """README.md of the exported model: Hub metadata in YAML front matter, then the facts
     (`export`: the checked layout of the weights beside it)."""
+    from huggingface_hub import ModelCardData  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     metadata = ModelCardData(
         base_model=spec.base_model_id,
         license=spec.base_model_license,

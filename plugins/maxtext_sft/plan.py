@@ -7,9 +7,7 @@ import fnmatch
 from typing import Any
 
 from google.api_core.exceptions import GoogleAPICallError
-from huggingface_hub.errors import HfHubHTTPError
 
-from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import HuggingFaceHubHook, hf_token
@@ -20,6 +18,8 @@ from maxtext_sft.spec import RunSpec, SpecError, build_run_spec
 
 def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) -> dict[str, Any]:
     """Return the spec and the create request's values; fail (without retries) on bad input."""
+    from airflow.providers.ssh.hooks.ssh import SSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     dag_run = context["dag_run"]
     try:
         # Only the login and key are needed here; the VM's address exists once the VM does.
@@ -68,6 +68,8 @@ def pin_dataset_snapshot(spec: RunSpec, dag_run, *, hf_conn_id: str, log) -> Run
     A dataset, revision or token the Hub refuses leaves the spec as it is: preflight then names
     what is wrong, with the other checks' findings.
     """
+    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     if not spec.hub_dataset:
         return spec
     api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()

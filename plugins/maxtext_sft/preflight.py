@@ -8,15 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
-
-from huggingface_hub import HfApi
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, reservation_counts
@@ -33,6 +25,9 @@ from maxtext_sft.sizing import (
     saved_steps,
 )
 from maxtext_sft.spec import RunSpec
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 
 class PreflightFailed(Exception):
@@ -53,6 +48,8 @@ def checkpoint_repo(spec: RunSpec) -> str | None:
 
 
 def check_hub_access(api: HfApi, spec: RunSpec) -> str:
+    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     try:
         user = api.whoami()["name"]
     except HfHubHTTPError as error:
@@ -89,6 +86,8 @@ def check_dataset(api: HfApi, spec: RunSpec) -> str:
 def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:
     """The commit `revision` of Hub repo `repo` (a "model" or "dataset") resolves to, checking that
     `token` (its description, for the messages) may read its files."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     try:
         api.auth_check(repo, repo_type=kind)
         return api.repo_info(repo, repo_type=kind, revision=revision).sha

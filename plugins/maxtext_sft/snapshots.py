@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from huggingface_hub import HfApi
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 
 class SnapshotError(ValueError):

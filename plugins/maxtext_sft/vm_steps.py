@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from maxtext_sft.hooks.vm_ssh import REMOTE_SCRIPT_DIR
+from maxtext_sft.hooks.vm_ssh_common import REMOTE_SCRIPT_DIR
 from maxtext_sft.loss_curve import MAX_POINTS
 from maxtext_sft.paths import include_dir
 from maxtext_sft.spec import RunSpec

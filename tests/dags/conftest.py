@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -127,16 +126,17 @@ def wait_for_run_end(airflow, run_id: str, timeout: float = 240, dag_id: str | N
 
 
 @pytest.fixture
-def start_airflow(tmp_path, pipeline_connections, postgres_server):
-    """start_airflow(settings, **harness_options): Airflow on a fresh database, stopped (and its
-    database dropped) at the end of the test."""
+def start_airflow(tmp_path, pipeline_connections, postgres_server, migrated_database):
+    """start_airflow(settings, **harness_options): Airflow on a fresh migrated database, stopped
+    (and its database dropped) at the end of the test."""
     started = []
 
     def start(settings: dict | None = None, **options) -> Airflow:
-        database = f"scheduler_{uuid.uuid4().hex[:8]}"
-        url = postgres_server.create_database(database)
+        database, url = migrated_database("scheduler")
         env = {**os.environ, **pipeline_connections, **(settings or {})}
-        instance = Airflow(tmp_path / f"airflow-home-{len(started)}", env, database_url=url, **options)
+        instance = Airflow(
+            tmp_path / f"airflow-home-{len(started)}", env, database_url=url, database_migrated=True, **options
+        )
         started.append((instance, database))
         instance.start()
         return instance

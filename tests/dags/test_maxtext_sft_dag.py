@@ -46,6 +46,7 @@ def dag():
         ("job_ultrachat_gemma3_nightly.py", 15),
         ("maxtext_sft_janitor.py", 1),
         ("maxtext_sft_sample_generations.py", 1),
+        ("maxtext_sft_bake_image.py", 10),
     ],
 )
 def test_parses_without_network_database_connections_or_variables(dag_file, tasks):

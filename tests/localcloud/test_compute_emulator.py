@@ -1405,3 +1405,69 @@ def test_sshd_of_a_running_vm_paused_and_resumed(compute_cloud, compute_vm):
         assert held.recv(64).startswith(b"SSH-")  # the queued connection is served once resumed
     with pytest.raises(LocalCloudError, match="404"):
         compute_cloud.set_sshd_paused("lc-no-such-vm", True)
+
+
+# ----- images from a boot disk -----------------------------------------------------------------
+
+
+def test_gcloud_bakes_an_image_from_a_stopped_vms_disk(compute_cloud, gcloud, compute_vm, compute_discovery):
+    """instances.stop, images.insert with sourceDisk and a family, getFromFamily, boot from the
+    family, images.delete, through gcloud: the image holds the disk (a home kept for its user, a
+    new user's home from skel), a running VM's disk is refused without --force, a name is taken once."""
+    key = paramiko.ECDSAKey.generate()
+    source = compute_vm("lc-bake-source", metadata={"ssh-keys": ssh_keys_line("maxtext", key)})
+    with ssh(source["networkInterfaces"][0]["networkIP"], "maxtext", key) as client:
+        run(client, "mkdir ~/maxtext_venv && echo 0.2.2 > ~/maxtext_venv/version; echo gone > /tmp/scratch")
+        run(client, "setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
+    gcloud(f"gcloud config set api_endpoint_overrides/compute {compute_cloud.compute_endpoint}")
+    where = f"--project={PROJECT}"
+    disk = f"--source-disk=lc-bake-source --source-disk-zone={ZONE}"
+
+    refused = gcloud(f"gcloud compute images create lc-baked-1 {disk} --family=lc-baked {where}", fails=True)
+    assert (
+        "The disk resource 'projects/lc-test-project/zones/us-east5-b/disks/lc-bake-source' is already being used by "
+        "'projects/lc-test-project/zones/us-east5-b/instances/lc-bake-source'" in refused.stderr
+    )
+    gcloud(f"gcloud compute instances stop lc-bake-source --zone={ZONE} {where}")
+    stopped = compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance="lc-bake-source").execute()
+    assert stopped["status"] == "TERMINATED" and "natIP" not in stopped["networkInterfaces"][0]["accessConfigs"][0]
+    assert not any(v["name"] == "lc-bake-source" for v in compute_cloud.vms())  # its processes are gone
+
+    gcloud(f"gcloud compute images create lc-baked-1 {disk} --family=lc-baked --labels=maxtext-version=0-2-2 {where}")
+    images = compute_discovery.images()
+    source_disk = f"zones/{ZONE}/disks/lc-bake-source"
+    with pytest.raises(HttpError) as again:
+        images.insert(project=PROJECT, body={"name": "lc-baked-1", "sourceDisk": source_disk}).execute()
+    assert error_of(again.value)["errors"][0]["reason"] == "alreadyExists"
+    with pytest.raises(HttpError) as bad:
+        images.insert(project=PROJECT, body={"name": "lc-baked-2", "sourceDisk": source_disk, "family": "Bad_Family"}).execute()
+    assert "'resource.family': 'Bad_Family'" in error_of(bad.value)["message"]
+    family = json.loads(gcloud(f"gcloud compute images describe-from-family lc-baked {where} --format=json").stdout)
+    assert family["name"] == "lc-baked-1" and family["status"] == "READY" and family["labels"] == {"maxtext-version": "0-2-2"}
+    assert family["sourceDisk"].endswith(f"projects/{PROJECT}/zones/{ZONE}/disks/lc-bake-source")
+    assert family["diskSizeGb"] == "200" and family["sourceType"] == "RAW"
+    assert "error" not in delete_and_wait(compute_discovery, "lc-bake-source")  # the image outlives its disk
+
+    other = paramiko.ECDSAKey.generate()
+    keys = ssh_keys_line("maxtext", key) + "\n" + ssh_keys_line("someone", other)
+    body = instance_body("lc-from-baked", zone=ZONE, metadata={"ssh-keys": keys})
+    body["disks"][0]["initializeParams"]["sourceImage"] = f"projects/{PROJECT}/zones/-/imageFamilyViews/lc-baked"
+    op = compute_discovery.instances().insert(project=PROJECT, zone=ZONE, body=body).execute()
+    assert "error" not in wait_operation(compute_discovery, op, project=PROJECT, zone=ZONE)
+    ip = compute_discovery.instances().get(project=PROJECT, zone=ZONE, instance="lc-from-baked").execute()[
+        "networkInterfaces"][0]["networkIP"]
+    try:
+        with ssh(ip, "maxtext", key) as client:  # the baked user: its home as it was, same uid
+            assert run(client, "cat ~/maxtext_venv/version; id -u; ls /tmp; pgrep sleep || true").split() == ["0.2.2", "1001"]
+        with ssh(ip, "someone", other) as client:  # a user the image never saw: a home from skel
+            assert run(client, "ls -A ~ | sort").split() == [".profile_localcloud", ".ssh", "skel-link"]
+    finally:
+        assert "error" not in delete_and_wait(compute_discovery, "lc-from-baked")
+
+    op = images.delete(project=PROJECT, image="lc-baked-1").execute()
+    while op["status"] != "DONE":
+        op = compute_discovery.globalOperations().wait(project=PROJECT, operation=op["name"]).execute()
+    assert "error" not in op
+    with pytest.raises(HttpError) as gone:
+        images.getFromFamily(project=PROJECT, family="lc-baked").execute()
+    assert error_of(gone.value)["message"] == "The resource 'projects/lc-test-project/global/images/family/lc-baked' was not found"

@@ -282,18 +282,17 @@ def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud
 
 
 @pytest.fixture
-def scheduled_airflow(tmp_path, pipeline_connections, postgres_server):
+def scheduled_airflow(tmp_path, pipeline_connections, postgres_server, migrated_database):
     """Airflow's components (scheduler, triggerer...) on a fresh database, running only the gate's DAG."""
     from localcloud.airflow_harness import Airflow
 
-    database = f"gate_{uuid.uuid4().hex[:8]}"
-    url = postgres_server.create_database(database)
+    database, url = migrated_database("gate")
     env = {
         **os.environ,
         **pipeline_connections,
         "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([GATE_BUNDLE]),
     }
-    instance = Airflow(tmp_path / "airflow-home", env, database_url=url, dag_id=DAG_ID)
+    instance = Airflow(tmp_path / "airflow-home", env, database_url=url, dag_id=DAG_ID, database_migrated=True)
     try:
         instance.start()
         yield instance

@@ -157,6 +157,34 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
         reservation = self.get_reservation(name=name, zone=zone, project_id=project_id)
         return None if reservation is None else reservation_counts(reservation)
 
+    # Images (the provider's hook has no image methods): the discovery client, REST JSON.
+
+    def get_image_from_family(self, family: str, project_id: str) -> dict | None:
+        """The newest usable image of a family (images.getFromFamily), or None if it has none."""
+        return self._unless_missing(self.get_conn().images().getFromFamily(project=project_id, family=family))
+
+    def get_image(self, name: str, project_id: str) -> dict | None:
+        return self._unless_missing(self.get_conn().images().get(project=project_id, image=name))
+
+    def list_images(self, project_id: str) -> list[dict]:
+        """Every image of the project (all pages)."""
+        images, request = [], self.get_conn().images().list(project=project_id)
+        while request is not None:
+            page = request.execute(num_retries=self.num_retries)
+            images.extend(page.get("items", []))
+            request = self.get_conn().images().list_next(request, page)
+        return images
+
+    def insert_image(self, body: dict, project_id: str, request_id: str | None = None) -> None:
+        """images.insert, then its global operation until DONE (OperationFailed if it failed)."""
+        operation = (
+            self.get_conn()
+            .images()
+            .insert(project=project_id, body=body, requestId=request_id)
+            .execute(num_retries=self.num_retries)
+        )
+        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation["name"], zone=None)
+
     def _unless_missing(self, request) -> dict | None:
         """Execute a discovery-client request; None when the API answers 404."""
         try:

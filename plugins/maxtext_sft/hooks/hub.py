@@ -7,11 +7,14 @@ the HF_ENDPOINT environment variable).
 
 from __future__ import annotations
 
-from huggingface_hub import HfApi
+from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowException
 from airflow.sdk.log import mask_secret
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 
 def hf_token(hf_conn_id: str) -> str:
@@ -38,6 +41,8 @@ class HuggingFaceHubHook(BaseHook):
 
     def get_conn(self) -> HfApi:
         if self._api is None:
+            from huggingface_hub import HfApi  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
             connection = self.get_connection(self.hf_conn_id)
             endpoint = (connection.extra_dejson or {}).get("endpoint") or None
             self._api = HfApi(endpoint=endpoint, token=hf_token(self.hf_conn_id))

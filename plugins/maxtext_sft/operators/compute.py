@@ -1,4 +1,5 @@
-"""The provider's Compute Engine insert and delete operators, on the endpoint-aware hook.
+"""The provider's Compute Engine insert, stop and delete operators, on the endpoint-aware hook, and
+the image of a stopped VM's disk (the provider has no image operator).
 
 Each `execute` keeps the provider's flow; what changes is the hook (so the connection can name a
 private API endpoint), for create a capacity gate in front of the insert (see CreateVmOperator),
@@ -19,7 +20,9 @@ from google.cloud.compute_v1.types import Instance
 from airflow.providers.google.cloud.operators.compute import (
     ComputeEngineDeleteInstanceOperator,
     ComputeEngineInsertInstanceOperator,
+    ComputeEngineStopInstanceOperator,
 )
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
@@ -244,3 +247,50 @@ class DeleteVmOperator(ComputeEngineDeleteInstanceOperator):
             self.log.info("Instance %s is deleted", self.resource_id)
             return
         raise AirflowException(f"Instance {self.resource_id} still exists after its delete operation finished")
+
+
+class StopVmOperator(ComputeEngineStopInstanceOperator):
+    """The provider's stop (instances.stop, then its zone operation) on the endpoint-aware hook; a
+    stopped VM keeps its boot disk, so an image can be made of it."""
+
+    def execute(self, context) -> None:
+        self._validate_inputs()
+        _hook(self).stop_instance(zone=self.zone, resource_id=self.resource_id, project_id=self.project_id)
+        self.log.info("Instance %s is stopped", self.resource_id)
+
+
+class CreateImageOperator(BaseOperator):
+    """Make an image of a stopped VM's boot disk (images.insert with sourceDisk, in a family) and
+    wait until it is READY. A retry finds the image its first try made (same name, same source
+    disk) and waits for it instead of asking again; a name taken by another image fails at once."""
+
+    template_fields: Sequence[str] = ("project_id", "body")
+
+    def __init__(self, *, project_id: str, body: dict, gcp_conn_id: str, poll_seconds: float = 10, **kwargs):
+        super().__init__(**kwargs)
+        self.project_id = project_id
+        self.body = body
+        self.gcp_conn_id = gcp_conn_id
+        self.poll_seconds = poll_seconds
+
+    def execute(self, context) -> dict:
+        hook = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        name = self.body["name"]
+        existing = hook.get_image(name=name, project_id=self.project_id)
+        if existing is None:
+            request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.project_id}/{name}/{context['ti'].try_number}"))
+            self.log.info("Creating image %s in family %s from %s", name, self.body["family"], self.body["sourceDisk"])
+            hook.insert_image(body=self.body, project_id=self.project_id, request_id=request_id)
+        elif not existing.get("sourceDisk", "").endswith(self.body["sourceDisk"]):
+            raise AirflowFailException(
+                f"Image {name} already exists in {self.project_id}, made from {existing.get('sourceDisk')}: "
+                "choose another image_name"
+            )
+        else:
+            self.log.info("Image %s was asked for by an earlier try (%s)", name, existing["status"])
+        while (image := hook.get_image(name=name, project_id=self.project_id)) and image["status"] == "PENDING":
+            time.sleep(self.poll_seconds)  # an earlier try's image is still being made
+        if image is None or image["status"] != "READY":
+            raise AirflowException(f"Image {name} is not READY: {image and image['status']}")
+        self.log.info("Image %s is READY in family %s (%s bytes)", name, image.get("family"), image.get("archiveSizeBytes"))
+        return {key: image.get(key) for key in ("name", "family", "selfLink", "status", "labels")}

@@ -7,6 +7,7 @@ import socket
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from google.api_core.exceptions import NotFound
 
@@ -14,10 +15,10 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
-from maxtext_sft.hooks.vm_ssh import LoginRefused, RemoteCommandError, VmSSHHook
+from maxtext_sft.hooks.vm_ssh_common import LoginRefused, RemoteCommandError
 from maxtext_sft.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.loss_curve import LossHistory, downsample, parse_loss_history, render_loss_curve
-from maxtext_sft.operators.vm_script import TRANSIENT_SSH_ERRORS, HostKeysNotPublished, vm_ssh_hook
+from maxtext_sft.operators.vm_script import HostKeysNotPublished, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.outputs import (
     LOSS_CURVE_NAME,
     MODEL_CARD_NAME,
@@ -35,6 +36,9 @@ from maxtext_sft.outputs import (
 from maxtext_sft.paths import local_output_dir
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
+
+if TYPE_CHECKING:
+    from maxtext_sft.hooks.vm_ssh import VmSSHHook
 
 
 class CollectOutputsOperator(BaseOperator):
@@ -153,7 +157,7 @@ class CollectOutputsOperator(BaseOperator):
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
             with hook.get_conn():
                 return self._loss_history(spec, hook)
-        except (NotFound, HostKeysNotPublished, LoginRefused, RemoteCommandError, *TRANSIENT_SSH_ERRORS) as error:
+        except (NotFound, HostKeysNotPublished, LoginRefused, RemoteCommandError, *transient_ssh_errors()) as error:
             self.log.warning("No loss curve: could not read the training log on %s: %s", spec.vm_name, error)
             return None
 

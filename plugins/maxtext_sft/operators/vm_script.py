@@ -5,9 +5,8 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import paramiko
 from google.api_core.exceptions import NotFound
 from googleapiclient.errors import HttpError
 
@@ -15,10 +14,12 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import hf_token
-from maxtext_sft.hooks.os_login import os_login_username
-from maxtext_sft.hooks.vm_ssh import LoginRefused, VmSSHHook
+from maxtext_sft.hooks.vm_ssh_common import LoginRefused
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_steps import STEPS, parse_results, remote_command, script_files
+
+if TYPE_CHECKING:
+    from maxtext_sft.hooks.vm_ssh import VmSSHHook
 
 
 def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
@@ -43,8 +44,12 @@ class HostKeysNotPublished(RuntimeError):
     """The VM's guest agent has not published its SSH host keys (yet)."""
 
 
-# Errors that mean "not reachable yet / right now", not "broken".
-TRANSIENT_SSH_ERRORS = (OSError, EOFError, paramiko.SSHException)
+def transient_ssh_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "not reachable yet / right now", not "broken" (for `except`: only
+    evaluated when something was raised, so paramiko is imported only by a task that uses SSH)."""
+    import paramiko
+
+    return (OSError, EOFError, paramiko.SSHException)
 
 
 def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> VmSSHHook:
@@ -52,6 +57,9 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
     """
+    from maxtext_sft.hooks.os_login import os_login_username
+    from maxtext_sft.hooks.vm_ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
     address = vm_address(spec, gcp_conn_id)
     keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
         resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
@@ -109,7 +117,7 @@ class SshLoginProbe:
                 status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
         except LoginRefused as refused:
             return self._refused(refused)
-        except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
+        except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
             return False
         return status == 0

@@ -13,9 +13,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.operators.vm_script import (
-    TRANSIENT_SSH_ERRORS,
     HostKeysNotPublished,
     SshLoginProbe,
+    transient_ssh_errors,
     vm_ssh_hook,
 )
 from maxtext_sft.spec import RunSpec
@@ -94,7 +94,7 @@ class TrainingCheckpointSensor(_VmSensor):
         except NotFound:
             self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
             return False
-        except (HostKeysNotPublished, *TRANSIENT_SSH_ERRORS) as error:
+        except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
             return False
         if status != 0 or not output or not STATUS_LINE.match(output[-1]):

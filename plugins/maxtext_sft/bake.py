@@ -1,0 +1,241 @@
+"""A baked image: MaxText installed once into an image family, so that runs booting it skip the
+install (install_maxtext.sh exits at once when the venv has the pinned version).
+
+`build_bake_spec` validates the bake DAG's Params and derives every name (the VM, the image) from
+the run's identity, like `spec.build_run_spec` for a fine-tune (which it reuses for the values
+both share: project, zone, network, source image, disk size, MaxText version, work_dir, SSH user
+and key). No Airflow imports.
+
+Where the venv lives, and who finds it: the install runs as the SSH connection's user and puts
+the venv in WORK_DIR/maxtext_venv, WORK_DIR under that user's home ("~" by default). The image
+keeps every home of the disk, and a VM booted from it gives an existing user its keys without
+touching its home (a new user's home comes from /etc/skel). So a run finds the baked venv only
+when it logs in as the *same user name* with the *same work_dir*: the image's labels record both
+(`maxtext-vm-user`, `maxtext-work-dir`), and an absolute work_dir is refused here (the VM user
+cannot create folders outside its home without sudo, and a run's `~` is its own user's home).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from maxtext_sft.spec import (
+    GCE_NAME,
+    PACKAGE_LABEL,
+    TUTORIAL_DEFAULTS,
+    RunSpec,
+    SpecError,
+    build_run_spec,
+    label_value,
+    vm_name_for,
+)
+
+BAKE_DEFAULTS: dict[str, Any] = {
+    "project_id": None,  # None: the Google connection's project
+    "zone": TUTORIAL_DEFAULTS["zone"],
+    "network": "default",
+    "network_tag": TUTORIAL_DEFAULTS["network_tag"],
+    "use_internal_ip": False,
+    # The image the runs boot today (the tutorial's); the baked image is made from it.
+    "source_image_project": TUTORIAL_DEFAULTS["image_project"],
+    "source_image_family": TUTORIAL_DEFAULTS["image_family"],
+    # The install is CPU work (apt, uv, pip): a cheap on-demand CPU machine, no reservation.
+    "machine_type": "e2-standard-4",
+    "boot_disk_size_gb": TUTORIAL_DEFAULTS["boot_disk_size_gb"],
+    "maxtext_version": TUTORIAL_DEFAULTS["maxtext_version"],
+    "work_dir": TUTORIAL_DEFAULTS["work_dir"],
+    "image_family": "maxtext-sft",  # runs name it with image_project/image_family
+    "image_name": None,  # None: maxtext-<version>-<run hash>
+    "install_timeout_minutes": TUTORIAL_DEFAULTS["install_timeout_minutes"],
+}
+
+VM_NAME_PREFIX = "maxtext-bake"
+# What the VM's lifetime adds to the install's time limit: boot, SSH, stop, the image.
+BAKE_MARGIN_MINUTES = 30
+# Accelerator machine types (TPU ct*, GPU a*/g2): the install needs none of them.
+ACCELERATOR_MACHINE = re.compile(r"^(ct[0-9]|a[0-9]-|g2-)")
+HOME_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*)$")
+
+
+def image_labels(version: str, ssh_user: str, work_dir: str) -> dict[str, str]:
+    """What a baked image's labels say about its venv: a run finds it only with this user and
+    work_dir (see the module's docstring)."""
+    return {
+        "managed-by": PACKAGE_LABEL,
+        "maxtext-version": label_value(version),
+        "maxtext-vm-user": label_value(ssh_user),
+        "maxtext-work-dir": hashlib.sha256(work_dir.encode()).hexdigest()[:12],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class BakeSpec:
+    """Names and values of one bake run."""
+
+    dag_id: str
+    run_id: str
+    project_id: str
+    zone: str
+    vm_name: str
+    machine_type: str
+    source_image_project: str
+    source_image_family: str
+    boot_disk_size_gb: int
+    maxtext_version: str
+    work_dir: str
+    ssh_user: str
+    image_family: str
+    image_name: str
+    max_run_duration_minutes: int
+    vm_step_spec: dict  # the RunSpec the SSH steps (wait_for_ssh, install_maxtext) take
+
+    @property
+    def boot_disk(self) -> str:
+        """The VM's boot disk (named after the VM, as an instance's boot disk is by default)."""
+        return f"projects/{self.project_id}/zones/{self.zone}/disks/{self.vm_name}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return image_labels(self.maxtext_version, self.ssh_user, self.work_dir)
+
+    def instance_body(self) -> dict[str, Any]:
+        """The insert body (google-cloud-compute's field names): an on-demand CPU VM booting the
+        source image, which deletes itself when its lifetime ends, whatever Airflow does."""
+        spec = RunSpec.from_dict(self.vm_step_spec)
+        body = spec.instance_body()
+        body.pop("reservation_affinity")
+        body.pop("service_accounts")  # the install reads nothing from Google Cloud
+        body["machine_type"] = f"projects/{self.project_id}/zones/{self.zone}/machineTypes/{self.machine_type}"
+        body["scheduling"] = {
+            "provisioning_model": "STANDARD",
+            "instance_termination_action": "DELETE",
+            "max_run_duration": {"seconds": self.max_run_duration_minutes * 60},
+        }
+        return body
+
+    def image_body(self) -> dict[str, Any]:
+        """The images.insert body (REST JSON): the stopped VM's boot disk, in the family."""
+        return {
+            "name": self.image_name,
+            "family": self.image_family,
+            "sourceDisk": self.boot_disk,
+            "labels": self.labels,
+            "description": (
+                f"MaxText {self.maxtext_version} in {self.work_dir}/maxtext_venv of user {self.ssh_user}; "
+                f"baked by Airflow DAG {self.dag_id}, run {self.run_id}"
+            ),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BakeSpec:
+        return cls(**data)
+
+
+def build_bake_spec(
+    params: Mapping[str, Any],
+    *,
+    dag_id: str,
+    run_id: str,
+    started: datetime,
+    default_project_id: str | None,
+    ssh_user: str,
+    ssh_public_key: str,
+) -> BakeSpec:
+    """Validate the bake's Params; raises SpecError naming the first bad field."""
+    p = {**BAKE_DEFAULTS, **params}
+    work_dir = p["work_dir"]
+    if not isinstance(work_dir, str) or not HOME_PATH.match(work_dir):
+        raise SpecError(
+            f"Param 'work_dir': {work_dir!r} is not '~' or '~/...': the install runs as the VM user, who "
+            "writes only in its home, and a run finds the venv in its own user's home"
+        )
+    machine_type = p["machine_type"]
+    if not isinstance(machine_type, str) or not GCE_NAME.match(machine_type):
+        raise SpecError(f"Param 'machine_type': {machine_type!r} is not a machine type")
+    if ACCELERATOR_MACHINE.match(machine_type):
+        raise SpecError(
+            f"Param 'machine_type': {machine_type!r} is an accelerator machine; the install is CPU work "
+            "(use an on-demand CPU machine such as e2-standard-4)"
+        )
+    for name in ("image_family", "source_image_family"):
+        if not isinstance(p[name], str) or not GCE_NAME.match(p[name]):
+            raise SpecError(f"Param {name!r}: {p[name]!r} is not an image family name")
+    # What the fine-tune's spec also checks (project, zone, network, image, disk, version, SSH
+    # user and key, the install's time limit): its validation, on the bake's values.
+    shared = {
+        "project_id": p["project_id"],
+        "zone": p["zone"],
+        "network": p["network"],
+        "network_tag": p["network_tag"],
+        "use_internal_ip": p["use_internal_ip"],
+        "image_project": p["source_image_project"],
+        "image_family": p["source_image_family"],
+        "boot_disk_size_gb": p["boot_disk_size_gb"],
+        "maxtext_version": p["maxtext_version"],
+        "work_dir": work_dir,
+        "install_timeout_minutes": p["install_timeout_minutes"],
+        "reservation": "not-used-by-a-bake",  # the bake's VM is on demand; the field is unused
+    }
+    base = build_run_spec(
+        shared,
+        dag_id=dag_id,
+        run_id=run_id,
+        generation=0,
+        started=started,
+        default_project_id=default_project_id,
+        ssh_user=ssh_user,
+        ssh_public_key=ssh_public_key,
+    )
+    version = base.maxtext_version
+    image_name = p["image_name"]
+    if image_name is None:
+        run_hash = hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:8]
+        image_name = f"maxtext-{label_value(version).replace('_', '-')}-{run_hash}"
+    if not isinstance(image_name, str) or not GCE_NAME.match(image_name):
+        raise SpecError(f"Param 'image_name': {image_name!r} is not an image name (lowercase, digits, '-'; 1-63)")
+    vm_name = vm_name_for(VM_NAME_PREFIX, dag_id, run_id, 0)
+    lifetime = base.install_timeout_minutes + BAKE_MARGIN_MINUTES
+    vm_step_spec = dataclasses.replace(
+        base, vm_name=vm_name, reservation="", max_run_duration_minutes=lifetime
+    )
+    return BakeSpec(
+        dag_id=dag_id,
+        run_id=run_id,
+        project_id=base.project_id,
+        zone=base.zone,
+        vm_name=vm_name,
+        machine_type=machine_type,
+        source_image_project=base.image_project,
+        source_image_family=base.image_family,
+        boot_disk_size_gb=base.boot_disk_size_gb,
+        maxtext_version=version,
+        work_dir=work_dir,
+        ssh_user=ssh_user,
+        image_family=p["image_family"],
+        image_name=image_name,
+        max_run_duration_minutes=lifetime,
+        vm_step_spec=vm_step_spec.to_dict(),
+    )
+
+
+def baked_image(images: list[dict], spec: BakeSpec) -> dict | None:
+    """The READY image of the spec's family that already holds its MaxText version for its user
+    and work_dir (the newest, if several), or None: then there is something to bake."""
+    wanted = spec.labels
+    found = [
+        image
+        for image in images
+        if image.get("family") == spec.image_family
+        and image.get("status") == "READY"
+        and "deprecated" not in image
+        and all((image.get("labels") or {}).get(key) == value for key, value in wanted.items())
+    ]
+    return max(found, key=lambda image: image.get("creationTimestamp", ""), default=None)

@@ -1,0 +1,88 @@
+"""maxtext_sft_bake_image: MaxText installed on the bare image, baked into a family; a second bake
+skips; a fine-tune booting the family skips the install; bad input fails before any VM."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from localcloud.compute.testing import discovery_client
+from localcloud.connections import BARE_IMAGE_CONF, BAKED_IMAGE_CONF, LOCAL_PROJECT, LOCAL_ZONE
+from tests.conftest import REPO
+from tests.dags.conftest import _Tee, collect
+
+BAKE_CONF = {
+    "project_id": LOCAL_PROJECT,
+    "source_image_project": BARE_IMAGE_CONF["image_project"],
+    "source_image_family": BARE_IMAGE_CONF["image_family"],
+    "image_family": BAKED_IMAGE_CONF["image_family"],
+}
+
+
+@pytest.fixture(scope="module")
+def bake(airflow_db, pipeline_connections, local_cloud):
+    """bake(conf) runs the bake DAG once with dag.test(); returns the run with its log."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    def run(conf: dict):
+        bag = DagBag(str(REPO / "dags"))
+        assert bag.import_errors == {}
+        local_cloud.clear_requests()
+        tee = _Tee(sys.stdout)
+        try:
+            sys.stdout = tee
+            result = collect(bag.dags["maxtext_sft_bake_image"].test(run_conf=conf))
+        finally:
+            sys.stdout = tee.passthrough
+        result.log = tee.kept.getvalue()
+        return result
+
+    return run
+
+
+def instances(local_cloud) -> list[str]:
+    listed = discovery_client(local_cloud.compute_endpoint).instances().list(project=LOCAL_PROJECT, zone=LOCAL_ZONE)
+    return [item["name"] for item in listed.execute().get("items", [])]
+
+
+def test_bad_input_fails_before_any_vm(bake, local_cloud):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="work_dir"):  # the venv must be in the VM user's home
+        bake({**BAKE_CONF, "work_dir": "/opt/maxtext"})
+    run = bake({**BAKE_CONF, "machine_type": "ct6e-standard-8t"})
+    assert run.state == "failed" and run.task_states["plan"] == "failed"
+    assert "'ct6e-standard-8t' is an accelerator machine; the install is CPU work" in run.log
+    assert [r for r in local_cloud.requests() if r["method"] != "GET"] == []  # nothing inserted
+
+    run = bake({**BAKE_CONF, "source_image_family": "no-such-family"})
+    assert run.state == "failed" and "has no image: no VM was created" in run.log
+    assert [r for r in local_cloud.requests() if r["method"] != "GET"] == []
+
+
+def test_bake_then_skip_then_a_run_on_the_family_skips_the_install(bake, run_pipeline, local_cloud):
+    baked = bake(BAKE_CONF)
+    assert baked.state == "success", baked.task_states
+    assert set(baked.task_states.values()) == {"success"}
+    assert "Installing MaxText 0.2.2 into" in baked.log and "MaxText 0.2.2 installed in" in baked.log
+    image = baked.xcoms["create_image.return_value"]
+    assert image["status"] == "READY" and image["family"] == "maxtext-sft"
+    assert image["labels"]["maxtext-version"] == "0-2-2" and image["labels"]["maxtext-vm-user"] == "maxtext"
+    methods = [(r["method"], r["path"].rsplit("/", 1)[-1]) for r in local_cloud.requests() if r["method"] != "GET"]
+    assert ("POST", "stop") in methods and ("POST", "images") in methods
+    assert methods.index(("POST", "stop")) < methods.index(("POST", "images"))  # imaged once stopped
+    assert instances(local_cloud) == [] and local_cloud.vms() == []  # the bake's VM is gone
+
+    again = bake(BAKE_CONF)  # safe to run twice: nothing to bake, no VM
+    assert again.state == "success"
+    assert again.task_states["needs_bake"] == "success" and again.task_states["create_vm"] == "skipped"
+    assert f"already has READY image {image['name']}" in again.log
+    assert [r for r in local_cloud.requests() if r["method"] != "GET"] == []
+
+    run = run_pipeline(BAKED_IMAGE_CONF)
+    assert run.state == "success", run.task_states
+    assert "MaxText 0.2.2 is already installed in /home/maxtext/maxtext_venv; nothing to do" in run.log
+    assert "Installing MaxText" not in run.log
+    assert run.xcoms["collect_outputs.return_value"]["final_step"] == 30  # the baked venv trained
+    assert instances(local_cloud) == [] and local_cloud.vms() == []

@@ -1,0 +1,87 @@
+"""DAG files are cheap to parse (README, Architecture): the heavy client libraries are imported
+by the DAG processor's parent once (the airflow.* modules a DAG file names itself, which it
+imports before it forks each parse) or by the tasks that use them, never by each parse.
+
+Nothing is timed here (bench/dag_parse.py measures the seconds): each test parses a DAG file in a
+fresh interpreter and looks at which modules the parse itself imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# Client libraries that cost seconds to import (google.cloud.compute_v1 alone: thousands of
+# message classes); none may be imported by a parse in the DAG processor's child.
+HEAVY = ("google.cloud.compute_v1", "google.cloud.storage", "googleapiclient", "google.cloud.oslogin",
+         "huggingface_hub", "paramiko")
+# Imported only by the tasks that use them: a task process parses its DAG file without them.
+TASK_TIME_ONLY = ("huggingface_hub", "paramiko", "google.cloud.oslogin")
+PIPELINE_DAG_FILES = sorted(
+    path.name for path in (REPO / "dags").glob("*.py")
+    if "declared_job_dag(" in path.read_text() or "fine_tune_dag(" in path.read_text()
+)
+DAG_FILES = sorted(path.name for path in (REPO / "dags").glob("*.py"))
+
+# Parses argv[1] as the DAG processor's child (argv[2] == "processor": after the parent's
+# pre-import, Airflow's own function) or as a task runner does (only the Task SDK loaded first),
+# and prints the modules the parse itself imported.
+PROBE = """
+import json, runpy, sys
+import structlog
+import airflow.sdk, airflow.sdk.execution_time.task_runner
+path, role = sys.argv[1], sys.argv[2]
+if role == "processor":
+    from airflow.dag_processing.processor import _pre_import_airflow_modules
+    _pre_import_airflow_modules(path, structlog.get_logger())
+before = set(sys.modules)
+namespace = runpy.run_path(path)
+print(json.dumps({"dag_id": namespace["dag"].dag_id, "imported": sorted(set(sys.modules) - before)}))
+"""
+
+
+def parse(file_name: str, role: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins"),
+           "AIRFLOW__DAG_PROCESSOR__PARSING_PRE_IMPORT_MODULES": "True"}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(REPO / "dags" / file_name), role],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def heavy_among(modules: list[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted({package for package in packages for module in modules
+                   if module == package or module.startswith(package + ".")})
+
+
+def test_the_pipeline_dag_files_are_found():
+    assert "maxtext_sft.py" in PIPELINE_DAG_FILES
+    assert any(name.startswith("job_") for name in PIPELINE_DAG_FILES)
+
+
+@pytest.mark.parametrize("file_name", DAG_FILES)
+def test_a_parse_in_the_dag_processor_imports_no_heavy_client(file_name):
+    parsed = parse(file_name, "processor")
+    assert parsed["dag_id"]
+    assert any(module.startswith("maxtext_sft") for module in parsed["imported"])  # the parse did import the package
+    assert heavy_among(parsed["imported"], HEAVY) == []
+
+
+def test_without_the_pre_import_the_same_parse_imports_them():
+    """The check above can fail: a parse with nothing pre-imported does import the clients."""
+    parsed = parse("maxtext_sft.py", "task")
+    assert "google.cloud.compute_v1" in heavy_among(parsed["imported"], HEAVY)
+
+
+@pytest.mark.parametrize("file_name", DAG_FILES)
+def test_a_task_process_parses_its_dag_file_without_the_hub_ssh_or_os_login_clients(file_name):
+    parsed = parse(file_name, "task")
+    assert heavy_among(parsed["imported"], TASK_TIME_ONLY) == []
