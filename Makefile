@@ -1,7 +1,8 @@
-# The two commands the README promises:
+# The commands the README promises:
 #   make run   - the pipeline end to end in the local cloud, through Airflow's real scheduler
 #   make test  - the test suite
-# Both build the environment from the lock first (uv pip sync: exactly the locked versions).
+#   make bench - the benchmark's one table (bench/run.py; BENCH_ARGS="--snapshots 2 --capacity 1" shrinks it)
+# All three build the environment from the lock first (uv pip sync: exactly the locked versions).
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -9,7 +10,7 @@ UV_VERSION := 0.13.9
 RUN_CONF ?= {}
 MAXTEXT ?= real
 
-.PHONY: run test venv system-deps lock
+.PHONY: run test bench venv system-deps lock
 
 venv: $(VENV)/.synced
 
@@ -57,6 +58,12 @@ PYTEST_WORKERS ?= 2
 test: venv system-deps
 	@$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
+
+# Cold run, repeat run and backfill in the local cloud with the fast stand-in, then the DAG
+# processor's parse cost: one table, and bench-results.json (git-ignored) with the numbers behind it.
+BENCH_ARGS ?=
+bench: venv system-deps
+	$(PYTHON) -m bench $(BENCH_ARGS)
 
 lock:
 	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock

@@ -245,7 +245,9 @@ class SandboxVM:
         return keys
 
     def manifest(self) -> list[dict]:
-        """Regular files under the VM's /dev/shm and /home: [{path, size}], VM-relative."""
+        """Regular files under the VM's /dev/shm and /home: [{path, size, mtime}], VM-relative
+        (mtime in seconds since the epoch: when a step's marker file was written, e.g. the
+        training's pid and exit_code files, which the bench reads after the VM is gone)."""
         entries = []
         for top, prefix in ((self.root / "shm", "dev/shm"), (self.root / "home", "home")):
             for dirpath, _dirnames, filenames in os.walk(top):
@@ -253,7 +255,7 @@ class SandboxVM:
                     path = Path(dirpath) / filename
                     st = os.lstat(path)
                     if stat.S_ISREG(st.st_mode):
-                        entries.append({"path": f"{prefix}/{path.relative_to(top)}", "size": st.st_size})
+                        entries.append({"path": f"{prefix}/{path.relative_to(top)}", "size": st.st_size, "mtime": st.st_mtime})
         return sorted(entries, key=lambda e: e["path"])
 
     def stop(self, timeout: float = 15.0) -> None:
