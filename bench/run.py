@@ -1,13 +1,16 @@
 """`make bench`: the figures a platform team asks for, each a ratio measured in this one invocation.
 
     python -m bench [--snapshots 4] [--capacity 2] [--steps 60] [--seconds-per-step 1.0]
-                    [--cold-image PROJECT/FAMILY] [--repeat-image PROJECT/FAMILY] [--skip-parse-cost]
+                    [--cold-image PROJECT/FAMILY] [--repeat-image PROJECT/FAMILY|baked] [--skip-parse-cost]
 
 Starts a private PostgreSQL server, the local cloud (fast MaxText stand-in) and Airflow's
 components (api-server, scheduler, dag-processor, triggerer; LocalExecutor) on one declared job,
 then runs the pipeline through Airflow's real scheduler:
-  1. a cold run (empty output location: it converts the checkpoint and publishes the conversion),
-  2. a repeat run of the same model and MaxText version into the same output location,
+  1. a cold run (empty output location: it converts the checkpoint and publishes the conversion)
+     on the bare image (no MaxText: its install step does the work),
+  2. a bake (maxtext_sft_bake_image: MaxText installed on a VM of the bare image, imaged into a
+     family), then a repeat run of the same model and MaxText version into the same output
+     location, booting the baked family,
   3. a backfill of N daily snapshots on a reservation of K machines,
 and reads what the cloud and Airflow recorded: the compute emulator's request log and operations
 (each VM's billed lifetime), the deleted VMs' file manifests (the training process's start and
@@ -37,6 +40,7 @@ from bench import figures
 from localcloud.airflow_harness import Airflow, AirflowError
 from localcloud.cloud import LocalCloud
 from localcloud.connections import (
+    BAKED_IMAGE_CONF,
     BARE_IMAGE_KEY,
     LOCAL_BUCKET,
     LOCAL_HUB_USER,
@@ -56,6 +60,9 @@ STATE = REPO / ".localcloud" / "bench"
 DAG_ID = "bench_sft"
 JOB_FILE = "bench-sft.yaml"
 LOADER = f'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{JOB_FILE}")\n'
+BAKE_DAG_FILE = REPO / "dags" / "maxtext_sft_bake_image.py"
+BAKE_DAG_ID = "maxtext_sft_bake_image"
+BAKED = "baked"  # --repeat-image: bake the cold run's image first, then boot the baked family
 RESERVATION = "bench-reservation"
 DATASET = f"{LOCAL_HUB_USER}/bench-chats"  # the local token's namespace, a commit per snapshot day
 OUTPUT_LOCATION = f"gs://{LOCAL_BUCKET}/bench"
@@ -97,8 +104,34 @@ def job_yaml(args, days: list[datetime]) -> str:
 def image_conf(image: str | None) -> dict:
     if not image:
         return {}
+    if image == BAKED:
+        return dict(BAKED_IMAGE_CONF)
     project, _, family = image.partition("/")
     return {"image_project": project, "image_family": family}
+
+
+def image_name(image: str | None) -> str:
+    if image == BAKED:
+        return f"{BAKED_IMAGE_CONF['image_project']}/{BAKED_IMAGE_CONF['image_family']} (baked from the cold run's image)"
+    return image or TUTORIAL_IMAGE
+
+
+def bake(airflow: Airflow, source_image: str | None, timeout: float) -> dict:
+    """Run maxtext_sft_bake_image from `source_image` into the family runs name as BAKED_IMAGE_CONF;
+    its run (state, start and end)."""
+    source = image_conf(source_image) or {}
+    conf = {
+        "project_id": LOCAL_PROJECT,
+        "zone": LOCAL_ZONE,
+        "image_family": BAKED_IMAGE_CONF["image_family"],
+        **({"source_image_project": source["image_project"], "source_image_family": source["image_family"]}
+           if source else {}),
+    }
+    run_id = airflow.trigger(conf, dag_id=BAKE_DAG_ID)
+    [run] = wait_for_runs(airflow, lambda: [airflow.run(run_id, BAKE_DAG_ID)], 1, timeout, "bake")
+    if run["state"] != "success":
+        raise RuntimeError(f"the bake failed ({run_id}); see {airflow.log_path('scheduler')} and its task logs")
+    return run
 
 
 def wait_for_runs(airflow: Airflow, runs_of, count: int, timeout: float, what: str) -> list[dict]:
@@ -380,11 +413,11 @@ def repeat_figure(cold: dict, repeat: dict, lives: dict, args) -> dict:
     return {
         "measured": repeat_s / cold_s if cold_s and repeat_s else None,
         "cold_seconds": cold_s, "repeat_seconds": repeat_s,
-        "cold_image": args.cold_image or TUTORIAL_IMAGE, "repeat_image": args.repeat_image or TUTORIAL_IMAGE,
+        "cold_image": image_name(args.cold_image), "repeat_image": image_name(args.repeat_image),
         "goal_met": not repeat["install_did_work"] and not repeat["conversion_did_work"] and repeat["conversion_cached"],
         "cold_converted": cold["conversion_did_work"], "cold_installed": cold["install_did_work"],
-        "detail": "; ".join(parts) + f"; images: cold {args.cold_image or TUTORIAL_IMAGE}, "
-                  f"repeat {args.repeat_image or TUTORIAL_IMAGE}",
+        "detail": "; ".join(parts) + f"; images: cold {image_name(args.cold_image)}, "
+                  f"repeat {image_name(args.repeat_image)}",
     }
 
 
@@ -431,6 +464,8 @@ def measure(args) -> dict:
     jobs.mkdir(), dags.mkdir()
     (jobs / JOB_FILE).write_text(job_yaml(args, days))
     (dags / f"job_{DAG_ID}.py").write_text(LOADER)
+    if args.repeat_image == BAKED:
+        shutil.copy(BAKE_DAG_FILE, dags / BAKE_DAG_FILE.name)
 
     postgres = PostgresServer(STATE / "postgres")
     images = {TUTORIAL_IMAGE: build_fast_image()}
@@ -463,9 +498,17 @@ def measure(args) -> dict:
         airflow.start()
         airflow.request("PATCH", f"/api/v2/dags/{DAG_ID}?update_mask=is_paused", {"is_paused": False})
 
-        say(f"Cold run (image {args.cold_image or TUTORIAL_IMAGE}; {args.steps} steps x {args.seconds_per_step} s) ...")
+        say(f"Cold run (image {image_name(args.cold_image)}; {args.steps} steps x {args.seconds_per_step} s) ...")
         cold = collect_run(airflow, cloud, trigger_and_wait(airflow, image_conf(args.cold_image), args.run_timeout, "cold run"))
-        say(f"Repeat run (image {args.repeat_image or TUTORIAL_IMAGE}, same model, version and output location) ...")
+        if args.repeat_image == BAKED:
+            say(f"Bake (MaxText installed on a VM of {image_name(args.cold_image)}, imaged into a family) ...")
+            patient(lambda: airflow.get(f"/api/v2/dags/{BAKE_DAG_ID}"))  # parsed by now, with the job's DAG
+            airflow.request("PATCH", f"/api/v2/dags/{BAKE_DAG_ID}?update_mask=is_paused", {"is_paused": False})
+            baked = bake(airflow, args.cold_image, args.run_timeout)
+            results["bake_seconds"] = figures.epoch(figures.parse_time(baked["end_date"])) - figures.epoch(
+                figures.parse_time(baked["start_date"])
+            )
+        say(f"Repeat run (image {image_name(args.repeat_image)}, same model, version and output location) ...")
         repeat = collect_run(airflow, cloud, trigger_and_wait(airflow, image_conf(args.repeat_image), args.run_timeout, "repeat run"))
         backfill_runs = []
         if args.snapshots:
@@ -490,6 +533,8 @@ def measure(args) -> dict:
             "repeat_over_cold": repeat_figure(cold, repeat, lives, args),
             "backfill": backfill_figure(backfill_runs, repeat, lives, args) if backfill_runs else None,
         })
+        if "bake_seconds" in results:
+            results["repeat_over_cold"]["detail"] += f"; the bake run took {results['bake_seconds']:.0f} s (once per version)"
     finally:
         if airflow:
             airflow.stop()
@@ -510,9 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=2, help="K: machines the backfill's reservation holds")
     parser.add_argument("--steps", type=int, default=60, help="training steps of every run")
     parser.add_argument("--seconds-per-step", type=float, default=1.0, help="the stand-in's time per step")
-    parser.add_argument("--cold-image", default="", help=f"PROJECT/FAMILY the cold run boots (default: the tutorial's, "
-                        f"MaxText preinstalled; {BARE_IMAGE_KEY}: the bare image, whose install does the work)")
-    parser.add_argument("--repeat-image", default="", help="PROJECT/FAMILY the repeat run boots (default: the tutorial's)")
+    parser.add_argument("--cold-image", default=BARE_IMAGE_KEY,
+                        help=f"PROJECT/FAMILY the cold run boots (default {BARE_IMAGE_KEY}: the bare image, whose "
+                        "install does the work; '': the local tutorial image, MaxText preinstalled)")
+    parser.add_argument("--repeat-image", default=BAKED,
+                        help=f"PROJECT/FAMILY the repeat run boots, or '{BAKED}' (default): bake the cold run's image "
+                        "first (maxtext_sft_bake_image) and boot the baked family")
     parser.add_argument("--parse-jobs", type=int, default=20, help="declared jobs in the parse-cost folder")
     parser.add_argument("--skip-parse-cost", action="store_true", help="leave the DAG processor figure out")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
@@ -520,8 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.capacity < 1 or args.snapshots < 0 or args.steps < 1 or args.seconds_per_step < 0:
         parser.error("--capacity and --steps must be >= 1, --snapshots and --seconds-per-step >= 0")
+    if args.cold_image == BAKED:
+        parser.error(f"--cold-image {BAKED}: a bake needs a cold run's image to start from")
     for image in (args.cold_image, args.repeat_image):
-        if image and image.count("/") != 1:
+        if image and image != BAKED and image.count("/") != 1:
             parser.error(f"an image is PROJECT/FAMILY, not {image!r}")
 
     started = time.monotonic()

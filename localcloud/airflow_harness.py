@@ -264,8 +264,10 @@ class Airflow:
     def health(self) -> dict:
         return self.get("/api/v2/monitor/health", auth=False)
 
-    def trigger(self, conf: dict) -> str:
-        run = self.request("POST", f"/api/v2/dags/{self.dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+    def trigger(self, conf: dict, dag_id: str | None = None) -> str:
+        run = self.request(
+            "POST", f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns", {"logical_date": None, "conf": conf}
+        )
         return run["dag_run_id"]
 
     def run(self, run_id: str, dag_id: str | None = None) -> dict:

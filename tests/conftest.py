@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from localcloud.cloud import LocalCloud
+from localcloud.cloud import LocalCloud, LocalCloudError
 from localcloud.connections import (
     BARE_IMAGE_KEY,
     airflow_connection_env,
@@ -156,15 +156,22 @@ def local_cloud(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def no_vm_outlives_its_test(request):
-    """Delete what a test left in the session's local cloud (a failure or a timeout mid-run), as
-    the cloud would at its lifetime: the next tests on this worker assert that no VM is left, and
-    one failure must not fail them all. The test that left it fails on its own assertions."""
-    yield
+    """Delete the VMs a test made and left in the session's local cloud (a failure or a timeout
+    mid-run), as the cloud would at their lifetime: the next tests on this worker assert that no
+    VM is left, and one failure must not fail them all. The test that left one fails on its own
+    assertions. VMs that existed before the test (a module fixture's) are its fixture's to delete."""
     if "local_cloud" not in request.fixturenames:
+        yield
         return
     cloud = request.getfixturevalue("local_cloud")
+    before = {vm["name"] for vm in cloud.vms()}
+    yield
     for vm in cloud.vms():
-        cloud.terminate_vm(vm["name"], "DELETE", project=vm.get("project"), zone=vm.get("zone"))
+        if vm["name"] not in before:
+            try:
+                cloud.terminate_vm(vm["name"], "DELETE", project=vm.get("project"), zone=vm.get("zone"))
+            except LocalCloudError:
+                pass  # gone meanwhile (a delete that was still under way)
 
 
 @pytest.fixture(scope="session")
