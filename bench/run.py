@@ -27,7 +27,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -128,13 +130,15 @@ def bake(airflow: Airflow, source_image: str | None, timeout: float) -> dict:
            if source else {}),
     }
     run_id = airflow.trigger(conf, dag_id=BAKE_DAG_ID)
-    [run] = wait_for_runs(airflow, lambda: [airflow.run(run_id, BAKE_DAG_ID)], 1, timeout, "bake")
+    [run] = wait_for_runs(airflow, lambda: [airflow.run(run_id, BAKE_DAG_ID)], 1, timeout, "bake", BAKE_DAG_ID)
     if run["state"] != "success":
         raise RuntimeError(f"the bake failed ({run_id}); see {airflow.log_path('scheduler')} and its task logs")
     return run
 
 
-def wait_for_runs(airflow: Airflow, runs_of, count: int, timeout: float, what: str) -> list[dict]:
+def wait_for_runs(
+    airflow: Airflow, runs_of, count: int, timeout: float, what: str, dag_id: str | None = None
+) -> list[dict]:
     """Poll until `count` runs that `runs_of()` lists have all ended; prints progress (a lone
     run's running tasks, or each run's state)."""
     started = time.monotonic()
@@ -143,7 +147,7 @@ def wait_for_runs(airflow: Airflow, runs_of, count: int, timeout: float, what: s
     while True:
         try:
             runs = runs_of()
-            tasks = airflow.task_states(runs[0]["dag_run_id"]) if len(runs) == 1 else {}
+            tasks = airflow.task_states(runs[0]["dag_run_id"], dag_id) if len(runs) == 1 else {}
         except (OSError, AirflowError) as error:
             # On a busy machine the api-server may not answer within the client's 30 s: a missed
             # look, not a failed run; the deadline still bounds the wait.
@@ -574,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         if image and image != BAKED and image.count("/") != 1:
             parser.error(f"an image is PROJECT/FAMILY, not {image!r}")
 
+    # SIGTERM (a CI's timeout, `kill`) unwinds like Ctrl-C, so measure()'s cleanup stops Airflow,
+    # the local cloud and PostgreSQL.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     results = measure(args)
     rows = build_rows(results)

@@ -273,11 +273,11 @@ class Airflow:
     def run(self, run_id: str, dag_id: str | None = None) -> dict:
         return self.get(f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns/{run_id}")
 
-    def task_instances(self, run_id: str) -> list[dict]:
-        return self.get(f"/api/v2/dags/{self.dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+    def task_instances(self, run_id: str, dag_id: str | None = None) -> list[dict]:
+        return self.get(f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
 
-    def task_states(self, run_id: str) -> dict[str, str | None]:
-        return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id)}
+    def task_states(self, run_id: str, dag_id: str | None = None) -> dict[str, str | None]:
+        return {ti["task_id"]: ti["state"] for ti in self.task_instances(run_id, dag_id)}
 
     def xcom(self, run_id: str, task_id: str, key: str = "return_value", dag_id: str | None = None):
         """A task's XCom (its return value by default), or None when it has none."""

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from datetime import datetime
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         help="real: MaxText 0.2.2 at toy size (default); fast: the stand-in used by the fault tests",
     )
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the finally below stops Airflow and the local cloud.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     # A clean local cloud each time: no bucket, Hub repo or VM of an earlier run (the Airflow
     # harness likewise starts from an empty home).
