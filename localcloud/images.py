@@ -238,6 +238,8 @@ def build_bare_image(cache_root: Path | None = None) -> Path:
     cache_root = check_cache_root(Path(cache_root) if cache_root is not None else cache_root_default())
     final_dir = _image_dir("bare", recipe, cache_root)
     return _build_cached("bare", recipe, lambda image_dir: _build_bare(image_dir, final_dir), cache_root)
+
+
 REAL_LOCK = RECIPES_DIR / "real-maxtext.lock"
 REAL_WHEEL_LOCK = RECIPES_DIR / "real-maxtext-wheel.lock"
 TOY_GENERATOR = RECIPES_DIR / "make_toy_inputs.py"

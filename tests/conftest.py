@@ -121,19 +121,18 @@ def migrated_database(postgres_server):
     Airflow's schema, copied from a template migrated once (CREATE DATABASE ... TEMPLATE copies
     files: a second instead of an `airflow db migrate` per Airflow started)."""
     template = "airflow_migrated_template"
-    template_url = None
+    migrated = False
 
     def new_database(prefix: str) -> tuple[str, str]:
-        nonlocal template_url
-        if template_url is None:
-            url = postgres_server.create_database(template)
+        nonlocal migrated
+        if not migrated:
             subprocess.run(
                 [sys.executable, "-m", "airflow", "db", "migrate"],
                 check=True,
                 capture_output=True,
-                env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": url},
+                env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": postgres_server.create_database(template)},
             )
-            template_url = url
+            migrated = True
         name = f"{prefix}_{uuid.uuid4().hex[:8]}"
         return name, postgres_server.create_database(name, template=template)
 
