@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -25,6 +26,17 @@ class PipelineRun:
     xcoms: dict[str, object]
     try_numbers: dict[str, int] = dataclasses.field(default_factory=dict)  # each task's last try
     log: str = ""  # every log line of the run's tasks, as the task logs show them
+
+    def report(self) -> str:
+        """For an assertion's message: the tasks that did not succeed, then the last errors the
+        run's tasks raised (each traceback's final line), short enough to survive CI's excerpt."""
+        unfinished = {task: state for task, state in sorted(self.task_states.items()) if state != "success"}
+        errors = [line.strip()[:400] for line in self.log.splitlines() if ERROR_LINE.match(line)]
+        return "\n".join([f"run {self.state}; tasks not succeeded: {unfinished}", *errors[-6:]])
+
+
+# The last line of a traceback: "package.module.SomeError: message" (or a bare builtin name).
+ERROR_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Exit|Timeout|NotFound|Failed)\w*: ")
 
 
 class _Tee(io.TextIOBase):

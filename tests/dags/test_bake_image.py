@@ -81,7 +81,7 @@ def test_bake_then_skip_then_a_run_on_the_family_skips_the_install(bake, run_pip
     assert [r for r in local_cloud.requests() if r["method"] != "GET"] == []
 
     run = run_pipeline(BAKED_IMAGE_CONF)
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     assert "MaxText 0.2.2 is already installed in /home/maxtext/maxtext_venv; nothing to do" in run.log
     assert "Installing MaxText" not in run.log
     assert run.xcoms["collect_outputs.return_value"]["final_step"] == 30  # the baked venv trained

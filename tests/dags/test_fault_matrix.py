@@ -212,7 +212,7 @@ def test_fault(fault, run_pipeline, local_cloud):
     leaked = local_cloud.vms()
     fault_tally.vms_left(leaked)
     assert leaked == []
-    assert run.state == fault.outcome, run.task_states
+    assert run.state == fault.outcome, run.report()
     if fault.tries is not None:
         assert run.try_numbers["create_vm"] == fault.tries, run.try_numbers
     if fault.preempt_after and fault.outcome == "success":
@@ -222,8 +222,8 @@ def test_fault(fault, run_pipeline, local_cloud):
     if fault.outcome == "failed":
         error = run.log[run.log.rindex("The fine-tune did not complete") :]
         fault_tally.failed_run(error, fault.cause)
-        assert run.task_states[fault.failed_task] == "failed", run.task_states
-        assert run.task_states["delete_vm"] in ("success", "skipped"), run.task_states
+        assert run.task_states[fault.failed_task] == "failed", run.report()
+        assert run.task_states["delete_vm"] in ("success", "skipped"), run.report()
         assert fault.cause in error, error[:3000]
 
 

@@ -45,7 +45,7 @@ def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, 
         message = str(error)
     else:
         assert run.state == "failed"
-        assert run.task_states["plan_run"] == "failed", run.task_states
+        assert run.task_states["plan_run"] == "failed", run.report()
         message = run.log[run.log.index("Invalid run configuration") :][:2000]
     assert field in message, message
     assert local_cloud.requests() == []
@@ -64,7 +64,7 @@ HOSTILE_CONFS = [
 @pytest.mark.parametrize("conf", HOSTILE_CONFS, ids=["substitution", "backticks-and-quotes", "newlines-and-pipes"])
 def test_a_hostile_but_valid_conf_runs_as_data(conf, run_pipeline, local_cloud):
     run = run_pipeline({**conf, "steps": 4})
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     vm_name = run.xcoms["plan_run.vm_name"]
     assert local_cloud.deleted_shm(vm_name).is_dir()  # where the canary would be
     assert not (local_cloud.deleted_shm(vm_name) / CANARY.removeprefix("/dev/shm/")).exists()

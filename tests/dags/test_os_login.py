@@ -26,9 +26,9 @@ def test_os_login_enforced_by_the_project_fails_wait_for_ssh_at_once(os_login_en
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert run.state == "failed"
-    assert run.task_states["create_vm"] == "success", run.task_states
-    assert run.task_states["wait_for_ssh"] == "failed", run.task_states
-    assert run.task_states["delete_vm"] == "success", run.task_states
+    assert run.task_states["create_vm"] == "success", run.report()
+    assert run.task_states["wait_for_ssh"] == "failed", run.report()
+    assert run.task_states["delete_vm"] == "success", run.report()
     assert run.try_numbers["wait_for_ssh"] == 1  # no retry: a retry would be refused too
     error = run.log[run.log.rindex("refused the SSH login") :][:2000]
     fault_tally.failed_run(error, "OS Login is enabled")

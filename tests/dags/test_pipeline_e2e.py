@@ -43,8 +43,8 @@ def happy_run(run_pipeline, local_cloud):
 
 def test_every_task_succeeds_and_the_vm_is_gone(happy_run, local_cloud):
     run, _ = happy_run
-    assert run.state == "success", run.task_states
-    assert set(run.task_states.values()) == {"success"}, run.task_states
+    assert run.state == "success", run.report()
+    assert set(run.task_states.values()) == {"success"}, run.report()
     assert local_cloud.vms() == []
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 30
 
@@ -185,7 +185,7 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
     assert "Traceback (most recent call last)" in error
     assert "AirflowSensorTimeout" not in log
     assert hf_token not in log  # the task logs never show the token
-    assert run.state == "failed", run.task_states
+    assert run.state == "failed", run.report()
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"
     assert run.task_states["delete_vm"] == "success"
@@ -197,7 +197,7 @@ def test_training_crash_fails_the_sensor_at_once_and_still_deletes_the_vm(run_pi
 def test_a_create_that_fails_after_the_insert_was_accepted_is_still_deleted(run_pipeline, local_cloud):
     fault = {"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True}}
     run = run_pipeline(cloud_faults=fault)
-    assert run.state == "failed", run.task_states
+    assert run.state == "failed", run.report()
     assert run.task_states["create_vm"] == "failed"
     assert run.task_states["wait_for_ssh"] == "upstream_failed"
     assert run.task_states["delete_vm"] == "success"
@@ -211,7 +211,7 @@ def test_a_create_that_fails_after_the_insert_was_accepted_is_still_deleted(run_
 def test_a_retried_create_replaces_the_instance_a_failed_insert_left(run_pipeline, local_cloud):
     fault = {"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "leave_instance": True, "count": 1}}
     run = run_pipeline(cloud_faults=fault)
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     inserts = instance_requests(local_cloud, "POST")
     inserts = [r for r in inserts if r["path"].split("?")[0].endswith("/instances")]
     assert len(inserts) == 2  # the failed one, then the retry after deleting its leftover
@@ -222,7 +222,7 @@ def test_a_retried_create_replaces_the_instance_a_failed_insert_left(run_pipelin
 def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run_pipeline, local_cloud):
     run = run_pipeline({"steps": 40}, maxtext_faults={"train_sft": {"out_of_data_at_step": 9}})
     log = run.log
-    assert run.state == "failed", run.task_states
+    assert run.state == "failed", run.report()
     assert run.task_states["wait_for_final_checkpoint"] == "failed"
     assert run.task_states["export_to_hf"] == "upstream_failed"
     assert "training exited 0 after step 8 of 40: the dataset ran out of training data" in log
@@ -235,7 +235,7 @@ def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run
 
 def test_an_invalid_conf_fails_before_any_compute_request(run_pipeline, local_cloud):
     run = run_pipeline({"reservation": None, "train_extra_args": ["run_name=mine"]})
-    assert run.state == "failed", run.task_states
+    assert run.state == "failed", run.report()
     assert run.task_states["plan_run"] == "failed"
     assert run.task_states["create_vm"] == "upstream_failed"
     # No VM can exist, so the teardowns do not run; the run's state comes from the work tasks.

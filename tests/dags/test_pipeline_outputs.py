@@ -50,7 +50,7 @@ def durable_run(run_pipeline, local_cloud, bucket):
 
 def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucket, local_cloud):
     run, _ = durable_run
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     assert local_cloud.vms() == []
     spec = run.xcoms["plan_run.spec"]
     run_prefix = f"sft/runs/{spec['run_name']}/"
@@ -211,7 +211,7 @@ def test_a_dataset_in_a_bucket_is_the_folder_of_the_runs_date_and_its_files_are_
         bucket.blob(f"chats/{day}/data/train_sft-00000-of-00001.parquet").upload_from_string(f"chats of {day}")
     bucket.blob(f"chats/{today}/data/test_sft-00000-of-00001.parquet").upload_from_string("not trained on")
     run = run_pipeline({"dataset_name": f"gs://{BUCKET}/chats/{{{{ ds }}}}", "steps": 3})
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     spec = run.xcoms["plan_run.spec"]
     assert spec["dataset_name"] == f"gs://{BUCKET}/chats/{today}"
     assert run.xcoms["collect_outputs.return_value"]["dataset_files"] == ["data/train_sft-00000-of-00001.parquet"]

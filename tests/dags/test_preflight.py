@@ -97,8 +97,8 @@ def test_preflight_stops_the_run_before_any_vm(case, reservations, run_pipeline,
     assert leaked == []
     assert [r for r in local_cloud.requests() if r["method"] == "POST"] == []  # no insert, nothing written
     assert run.state == "failed"
-    assert run.task_states["preflight"] == "failed", run.task_states
-    assert run.task_states["create_vm"] in ("upstream_failed", "skipped", None), run.task_states
+    assert run.task_states["preflight"] == "failed", run.report()
+    assert run.task_states["create_vm"] in ("upstream_failed", "skipped", None), run.report()
     error = run.log[run.log.rindex("Preflight failed, no VM was created") :][:3000]
     fault_tally.failed_run(error, case.cause)
     assert case.cause in error, error

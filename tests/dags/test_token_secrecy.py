@@ -133,7 +133,7 @@ def test_the_token_is_nowhere_but_in_the_steps_that_need_it(run_pipeline, local_
     inspector.finish()
 
     assert inspector.missed == [], f"barriers never met (their steps were not inspected): {inspector.missed}"
-    assert run.state == "success", run.task_states
+    assert run.state == "success", run.report()
     assert inspector.reached == list(COMMANDS)  # every step that needs the token was inspected
     assert inspector.leaks == []
     assert token not in run.log

@@ -1,5 +1,6 @@
 """VmRecovery through the training sensor, against the local cloud: what a retried sensor try
-finds when the try before it was cut short in the middle of a recovery."""
+finds when the try before it was cut short in the middle of a recovery, and what a training seen
+dead means while its VM is going away."""
 
 from __future__ import annotations
 
@@ -86,3 +87,36 @@ def test_without_a_ledger_a_vm_with_no_training_fails_the_sensor(spec, compute):
         while time.monotonic() < deadline:
             sensor.poke({})  # False while the VM's sshd is not up yet
             time.sleep(1)  # the sensor's poke interval
+
+
+def test_a_training_seen_dead_on_a_vm_going_away_is_a_lost_vm_not_a_failed_training(spec, local_cloud):
+    """Before the sensor fails a run for a dead training it asks the Compute API about the VM: a
+    RUNNING VM means the training failed; a STOPPING one (a preemption's guest shutdown kills the
+    workload, maybe before sshd) means the VM is being lost, so the poke waits; a gone one is
+    recovered, within the run's bound."""
+    compute = ComputeEngineEndpointHook(gcp_conn_id=CONNECTIONS["gcp_conn_id"])
+    where = {"resource_id": spec.vm_name, "zone": spec.zone, "project_id": spec.project_id}
+    compute.insert_instance(body=spec.instance_body(), zone=spec.zone, project_id=spec.project_id)
+    sensor = TrainingCheckpointSensor(task_id="wait_for_final_checkpoint", spec=spec.to_dict(), **CONNECTIONS)
+    try:
+        assert sensor._lost_with_its_vm(spec) is False
+
+        # A delete whose operation hangs holds the instance STOPPING with its VM up.
+        local_cloud.set_faults({"operation_hangs": {"operation": "delete"}})
+        compute.get_conn().instances().delete(
+            project=spec.project_id, zone=spec.zone, instance=spec.vm_name
+        ).execute()
+        assert compute.get_instance(**where).status == "STOPPING"
+        assert sensor._lost_with_its_vm(spec) is True
+    finally:
+        local_cloud.set_faults({})  # the delete goes on
+
+    deadline = time.monotonic() + 60
+    while any(vm["name"] == spec.vm_name for vm in local_cloud.vms()):
+        assert time.monotonic() < deadline, "the delete did not finish"
+        time.sleep(0.2)  # polling interval; the instances are listed again each time
+    storage = StorageEndpointHook(gcp_conn_id=CONNECTIONS["gcp_conn_id"])
+    for number in range(1, spec.max_vm_recoveries + 1):  # the run's recoveries used up
+        assert storage.create_once(f"{spec.vm_recoveries_uri}/{number}.json", "{}")
+    with pytest.raises(AirflowFailException, match=r"no longer exists.*has already recreated its VM 2 time"):
+        sensor._lost_with_its_vm(spec)

@@ -10,6 +10,7 @@ from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.operators.vm_script import (
@@ -136,6 +137,8 @@ class TrainingCheckpointSensor(_VmSensor):
                 state = "succeeded"
             else:
                 self.log.warning("Training exited 0 but %s does not exist", marker)
+        if state != "succeeded" and self._lost_with_its_vm(spec):
+            return False
         if state == "succeeded":
             result = {
                 "final_step": _number(fields.get("last_step")),
@@ -161,6 +164,26 @@ class TrainingCheckpointSensor(_VmSensor):
             f"Training {spec.run_name} on {spec.vm_name} ended without its final checkpoint "
             f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
         )
+
+    def _lost_with_its_vm(self, spec: RunSpec) -> bool:
+        """Whether a training seen ended died with its VM rather than on its own: the instance is
+        gone (recovered now) or no longer RUNNING. A preempted or stopped VM is STOPPING while
+        its guest shuts down (the workload may be killed before sshd), then gone or TERMINATED
+        (cloud.google.com/compute/docs/instances/instance-life-cycle): that is a lost VM, not a
+        failed training, and the next poke finds out which."""
+        hook = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        try:
+            status = hook.get_instance(resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id).status
+        except NotFound:
+            self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+            return True
+        if status == "RUNNING":
+            return False
+        self.log.warning(
+            "The training on %s ended while the VM is %s (shutting down: preempted, stopped or deleted): "
+            "a lost VM, not a failed training; looking again at the next poke", spec.vm_name, status,
+        )
+        return True
 
 
 def _tail_start(output: list[str]) -> int:
