@@ -437,7 +437,8 @@ def backfill_figure(backfill_runs: list[dict], one_run: dict, lives: dict, args)
         f"each run's own VM {statistics.mean(vm_seconds):.1f} s mean (one run alone: "
         f"{lives[one_run['vm_name']]['seconds']:.1f} s)" if vm_seconds and one_run["vm_name"] in lives else "",
         f"a freed unit idle until the next insert {statistics.mean(gaps):.1f} s mean over {len(gaps)} waits "
-        "(the capacity trigger reads the reservation every 60 s)" if gaps else "",
+        "(CreateVmOperator's capacity trigger reads a full reservation 60 s after deferring, then every 15 s)"
+        if gaps else "",
         f"runs {min(durations):.0f}-{max(durations):.0f} s long",
         "failed runs: " + ", ".join(r["run_id"] for r in backfill_runs if r["state"] != "success")
         if any(r["state"] != "success" for r in backfill_runs) else "",

@@ -322,8 +322,8 @@ def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_fre
     wait_until(lambda: scheduled_airflow.task_states(run_id)["create_vm"] == "deferred", 180, "create_vm to defer")
     # Free the machine only once the scheduler has taken in the executor's report of the deferred
     # try: Airflow 3.3 fails a resumed try that is already running when that report comes in
-    # (apache/airflow#72716); the gate's first read a whole poll interval after deferring keeps
-    # production (60 s) clear of it, this test's 0.5 s does not.
+    # (apache/airflow#72716); the gate's first read 60 s after deferring keeps production clear
+    # of it, this test's 0.5 s does not.
     wait_until(
         lambda: "Received executor event with state success" in scheduled_airflow.log_path("scheduler").read_text(),
         60,

@@ -56,11 +56,11 @@ def read_times(cloud, reservation: str) -> list[float]:
 
 
 def trigger_for(
-    reservation: str, deadline: float, poll_interval: float = 0.2, gcp_conn_id: str = "google_cloud_default"
+    reservation: str, deadline: float, poll_interval: float = 0.2, gcp_conn_id: str = "google_cloud_default", **options
 ) -> ReservationCapacityTrigger:
     return ReservationCapacityTrigger(
         project_id=LOCAL_PROJECT, zone=LOCAL_ZONE, reservation=reservation, deadline=deadline,
-        poll_interval=poll_interval, gcp_conn_id=gcp_conn_id,
+        poll_interval=poll_interval, gcp_conn_id=gcp_conn_id, **options,
     )
 
 
@@ -102,6 +102,21 @@ def test_times_out_at_the_deadline_with_the_reservation_still_full(full_reservat
     reads = read_times(local_cloud, reservation)
     assert reads and reads[-1] >= deadline - 0.001, (reads, deadline)  # the log keeps milliseconds
     assert all(t < deadline for t in reads[:-1]), (reads, deadline)
+
+
+def test_the_first_read_waits_longer_than_the_later_ones(full_reservation, local_cloud):
+    """The first read waits out the deferral's report to the scheduler (apache/airflow#72716);
+    after it the reservation is read every poll_interval, so a freed machine is taken soon."""
+    reservation, _ = full_reservation
+    started = time.time()
+    deadline = started + 3
+
+    event = asyncio.run(first_event(trigger_for(reservation, deadline, poll_interval=0.1, first_read_after=1.5)))
+
+    assert event.payload["status"] == "timeout"
+    reads = read_times(local_cloud, reservation)
+    assert reads and reads[0] >= started + 1.5 - 0.001, (reads, started)  # the log keeps milliseconds
+    assert len(reads) >= 3, reads  # with first_read_after as the interval there would be 2: at 1.5 s and 3 s
 
 
 def test_a_missing_reservation_is_an_error(local_cloud, pipeline_connections):
@@ -175,6 +190,7 @@ def test_serialize_round_trips_through_airflow_serde():
     trigger = ReservationCapacityTrigger(
         project_id="p-1", zone="us-east5-b", reservation="r-1", deadline=deadline.isoformat(),
         gcp_conn_id="gcp", poll_interval=30, impersonation_chain=["a@p-1.iam.gserviceaccount.com"],
+        first_read_after=90,
     )
     classpath, kwargs = trigger.serialize()
 

@@ -92,10 +92,11 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     (the deadline travels with every deferral, so refused inserts do not extend it); then the
     task fails without retries. An existing instance is adopted before any gate.
 
-    `capacity_poll_seconds` is how often the trigger reads the reservation, the first read included.
-    Keep it well above the time the executor takes to report a deferred try's exit: Airflow 3.3
-    fails a resumed try that is already running when that report arrives (apache/airflow#72716;
-    the retry then adopts the VM).
+    The trigger first reads the reservation `capacity_first_read_seconds` after the deferral, then
+    every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
+    a deferred try's exit: Airflow 3.3 fails a resumed try that is already running when that report
+    arrives (apache/airflow#72716; the retry then adopts the VM). The later reads only decide how
+    long a freed machine stays idle (a backfill's runs wait for each other's machines).
     """
 
     template_fields: Sequence[str] = (
@@ -111,7 +112,8 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         lifetime_minutes=None,
         reservation: str | None = None,
         max_capacity_wait_minutes: float | str = 720,
-        capacity_poll_seconds: float = 60,
+        capacity_poll_seconds: float = 15,
+        capacity_first_read_seconds: float = 60,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -119,6 +121,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self.reservation = reservation
         self.max_capacity_wait_minutes = max_capacity_wait_minutes
         self.capacity_poll_seconds = capacity_poll_seconds
+        self.capacity_first_read_seconds = capacity_first_read_seconds
 
     def execute(self, context) -> dict:
         return self._create(context, deadline=None, insert_key="")
@@ -207,6 +210,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
                 deadline=deadline,
                 gcp_conn_id=self.gcp_conn_id,
                 poll_interval=self.capacity_poll_seconds,
+                first_read_after=self.capacity_first_read_seconds,
                 impersonation_chain=self.impersonation_chain,
             ),
             method_name="resume_after_capacity_wait",

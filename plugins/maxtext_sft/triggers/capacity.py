@@ -47,10 +47,11 @@ class ReservationCapacityTrigger(BaseTrigger):
     """Poll reservations.get until `count - inUseCount >= 1`, or until `deadline`.
 
     It is deferred to right after someone found the reservation full (the operator's own read,
-    or the cloud refusing an insert), so it sleeps `poll_interval` before each read, the first
-    included: an immediate re-read would only say "full" again, or, if the reservation's count
-    lags behind the insert that was refused, send the operator back to an insert that is refused
-    again without pause.
+    or the cloud refusing an insert), so its first read waits `first_read_after` (default
+    `poll_interval`), the later ones `poll_interval`: an immediate re-read would only say "full"
+    again, or, if the reservation's count lags behind the insert that was refused, send the
+    operator back to an insert that is refused again without pause; and an event fired before
+    the executor reported the deferral fails the resumed try (apache/airflow#72716).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class ReservationCapacityTrigger(BaseTrigger):
         gcp_conn_id: str = "google_cloud_default",
         poll_interval: float = 60,
         impersonation_chain: str | Sequence[str] | None = None,
+        first_read_after: float | None = None,
     ):
         super().__init__()
         self.project_id = project_id
@@ -70,6 +72,7 @@ class ReservationCapacityTrigger(BaseTrigger):
         self.deadline = epoch_seconds(deadline)
         self.gcp_conn_id = gcp_conn_id
         self.poll_interval = float(poll_interval)
+        self.first_read_after = self.poll_interval if first_read_after is None else float(first_read_after)
         self.impersonation_chain = impersonation_chain
         self._hook: ComputeEngineEndpointHook | None = None
 
@@ -84,6 +87,7 @@ class ReservationCapacityTrigger(BaseTrigger):
                 "gcp_conn_id": self.gcp_conn_id,
                 "poll_interval": self.poll_interval,
                 "impersonation_chain": self.impersonation_chain,
+                "first_read_after": self.first_read_after,
             },
         )
 
@@ -98,9 +102,11 @@ class ReservationCapacityTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         where = f"reservation {self.reservation} in {self.project_id}/{self.zone}"
         last_read: tuple[int, int] | None = None  # (count, inUseCount) of the last read that worked
+        pause = self.first_read_after
         while True:
             # Read at least once, and last at the deadline.
-            await asyncio.sleep(max(0.0, min(self.poll_interval, self.deadline - time.time())))
+            await asyncio.sleep(max(0.0, min(pause, self.deadline - time.time())))
+            pause = self.poll_interval
             try:
                 capacity = await asyncio.to_thread(self._read)
             except Exception as error:  # noqa: BLE001 - reported to the operator, which fails the try

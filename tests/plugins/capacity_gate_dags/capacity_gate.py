@@ -29,5 +29,6 @@ with DAG(
         reservation="{{ dag_run.conf['reservation'] }}",
         max_capacity_wait_minutes="{{ dag_run.conf['max_capacity_wait_minutes'] }}",
         capacity_poll_seconds=0.5,
+        capacity_first_read_seconds=0.5,
         gcp_conn_id="google_cloud_default",
     )
