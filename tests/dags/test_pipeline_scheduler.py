@@ -1,7 +1,8 @@
 """The pipeline under Airflow's real scheduler, for what dag.test() cannot do.
 
 Airflow runs as separate components (localcloud.airflow_harness) on the session's PostgreSQL
-server, each test with a database of its own."""
+server, on a database of its own: one per test that kills a component or needs settings of its
+own, one shared by the tests that only act through the REST API (at the end of the module)."""
 
 from __future__ import annotations
 
@@ -23,35 +24,6 @@ from tests.dags import fault_tally
 from tests.dags.conftest import wait_for_run_end, wait_for_training_watched, wait_until
 
 pytestmark = pytest.mark.e2e
-
-
-def test_a_run_marked_failed_mid_training_still_deletes_its_vm(airflow, local_cloud):
-    from localcloud.connections import LOCAL_RUN_CONF
-
-    fault_tally.fault_injected()
-    local_cloud.clear_requests()
-    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
-    try:
-        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50})
-        wait_for_training_watched(airflow, run_id)
-        assert len(local_cloud.vms()) == 1
-        airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "failed"})
-        wait_until(lambda: airflow.task_states(run_id).get("delete_vm") == "success", 180, "the delete")
-    finally:
-        local_cloud.set_vm_file("maxtext-faults.json", "{}")
-    leaked = local_cloud.vms()
-    fault_tally.vms_left(leaked)
-    assert leaked == []
-    # Airflow brings the run back to running for its teardown; it must still end failed.
-    final = wait_for_run_end(airflow, run_id, timeout=120)
-    states = airflow.task_states(run_id)
-    assert final["state"] == "failed", states
-    assert states["check_run_outcome"] == "failed"
-    error = outcome_error(airflow, run_id)
-    fault_tally.failed_run(error, "wait_for_final_checkpoint=failed")
-    assert "wait_for_final_checkpoint=failed" in error
-    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
-    assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
 @pytest.mark.parametrize("backstop", ["cloud lifetime", "janitor command"])
@@ -153,36 +125,6 @@ def assert_failed_with_vm_deleted(airflow, local_cloud, run_id: str, final: dict
     return states
 
 
-def test_a_run_marked_success_mid_training_still_deletes_its_vm(airflow, local_cloud):
-    """Marking a run success sets its running tasks success and skips the pending ones, but leaves
-    teardowns alone and the run running while one is pending (airflow/api/common/mark_tasks.py,
-    _set_dag_run_terminal_state): delete_vm runs, and check_run_outcome fails the run, since the
-    training never finished."""
-
-    def mark_run_success(run_id):
-        marked = airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "success"})
-        assert marked["state"] == "running"  # not "success": its teardowns are still to run
-
-    run_id, final = run_acted_on_mid_training(airflow, local_cloud, mark_run_success)
-    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "export_to_hf=skipped")
-    assert states["wait_for_final_checkpoint"] == "success"  # as marked, not as finished
-    assert {states[t] for t in ("export_to_hf", "collect_outputs", "publish_to_hub")} == {"skipped"}
-
-
-def test_a_sensor_marked_skipped_mid_training_deletes_the_vm_and_fails_naming_it(airflow, local_cloud):
-    """A user skips the running sensor: its downstream tasks are skipped by their trigger rule, the
-    teardown still deletes the VM, and the run fails naming the skipped sensor."""
-
-    def skip_sensor(run_id):
-        path = f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint"
-        airflow.request("PATCH", path, {"new_state": "skipped"})
-
-    run_id, final = run_acted_on_mid_training(airflow, local_cloud, skip_sensor)
-    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "wait_for_final_checkpoint=skipped")
-    skipped = ("wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "publish_to_hub")
-    assert {states[t] for t in skipped} == {"skipped"}
-
-
 HEARTBEAT_TIMEOUT_SECONDS = 15
 
 
@@ -278,3 +220,69 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
     deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
     assert len(deletes) == 1 and deletes[0]["status"] == 200
+
+
+# The tests below act on runs through the REST API and leave Airflow's components alone: they
+# share one Airflow (shared_airflow), started for them and kept to the end of this module.
+
+
+def test_a_run_marked_failed_mid_training_still_deletes_its_vm(shared_airflow, local_cloud):
+    airflow = shared_airflow
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    fault_tally.fault_injected()
+    local_cloud.clear_requests()
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
+    try:
+        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 50})
+        wait_for_training_watched(airflow, run_id)
+        assert len(local_cloud.vms()) == 1
+        airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "failed"})
+        wait_until(lambda: airflow.task_states(run_id).get("delete_vm") == "success", 180, "the delete")
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    # Airflow brings the run back to running for its teardown; it must still end failed.
+    final = wait_for_run_end(airflow, run_id, timeout=120)
+    states = airflow.task_states(run_id)
+    assert final["state"] == "failed", states
+    assert states["check_run_outcome"] == "failed"
+    error = outcome_error(airflow, run_id)
+    fault_tally.failed_run(error, "wait_for_final_checkpoint=failed")
+    assert "wait_for_final_checkpoint=failed" in error
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200
+
+
+def test_a_run_marked_success_mid_training_still_deletes_its_vm(shared_airflow, local_cloud):
+    airflow = shared_airflow
+    """Marking a run success sets its running tasks success and skips the pending ones, but leaves
+    teardowns alone and the run running while one is pending (airflow/api/common/mark_tasks.py,
+    _set_dag_run_terminal_state): delete_vm runs, and check_run_outcome fails the run, since the
+    training never finished."""
+
+    def mark_run_success(run_id):
+        marked = airflow.request("PATCH", f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}", {"state": "success"})
+        assert marked["state"] == "running"  # not "success": its teardowns are still to run
+
+    run_id, final = run_acted_on_mid_training(airflow, local_cloud, mark_run_success)
+    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "export_to_hf=skipped")
+    assert states["wait_for_final_checkpoint"] == "success"  # as marked, not as finished
+    assert {states[t] for t in ("export_to_hf", "collect_outputs", "publish_to_hub")} == {"skipped"}
+
+
+def test_a_sensor_marked_skipped_mid_training_deletes_the_vm_and_fails_naming_it(shared_airflow, local_cloud):
+    airflow = shared_airflow
+    """A user skips the running sensor: its downstream tasks are skipped by their trigger rule, the
+    teardown still deletes the VM, and the run fails naming the skipped sensor."""
+
+    def skip_sensor(run_id):
+        path = f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint"
+        airflow.request("PATCH", path, {"new_state": "skipped"})
+
+    run_id, final = run_acted_on_mid_training(airflow, local_cloud, skip_sensor)
+    states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "wait_for_final_checkpoint=skipped")
+    skipped = ("wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "publish_to_hub")
+    assert {states[t] for t in skipped} == {"skipped"}

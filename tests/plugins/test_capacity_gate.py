@@ -20,6 +20,7 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_ZONE
+from tests.dags.conftest import TEARDOWN_STOP_GRACE_SECONDS
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.outcome import FAILURE_KEY
 from maxtext_sft.spec import RunSpec, build_run_spec
@@ -297,7 +298,7 @@ def scheduled_airflow(tmp_path, pipeline_connections, postgres_server, migrated_
         instance.start()
         yield instance
     finally:
-        instance.stop()
+        instance.stop(grace=TEARDOWN_STOP_GRACE_SECONDS)
         postgres_server.drop_database(database)
 
 
