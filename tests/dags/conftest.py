@@ -3,8 +3,10 @@ real components (a scheduler, dag-processor, triggerer and api-server)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -143,28 +145,33 @@ def wait_for_run_end(airflow, run_id: str, timeout: float = 240, dag_id: str | N
 TEARDOWN_STOP_GRACE_SECONDS = 3
 
 
+@contextlib.contextmanager
+def airflow_on_fresh_database(home, env: dict, postgres_server, migrated_database, prefix="scheduler", **options):
+    """Airflow started on a fresh copy of the migrated database; stopped, and the copy dropped, at exit."""
+    database, url = migrated_database(prefix)
+    instance = Airflow(home, env, database_url=url, database_migrated=True, **options)
+    try:
+        instance.start()
+        yield instance
+    finally:
+        instance.stop(grace=TEARDOWN_STOP_GRACE_SECONDS)
+        postgres_server.drop_database(database)
+
+
 @pytest.fixture
 def start_airflow(tmp_path, pipeline_connections, postgres_server, migrated_database):
     """start_airflow(settings, **harness_options): Airflow on a fresh migrated database, stopped
     (and its database dropped) at the end of the test."""
-    started = []
+    homes = (tmp_path / f"airflow-home-{n}" for n in itertools.count())
+    with contextlib.ExitStack() as started:
 
-    def start(settings: dict | None = None, **options) -> Airflow:
-        database, url = migrated_database("scheduler")
-        env = {**os.environ, **pipeline_connections, **(settings or {})}
-        instance = Airflow(
-            tmp_path / f"airflow-home-{len(started)}", env, database_url=url, database_migrated=True, **options
-        )
-        started.append((instance, database))
-        instance.start()
-        return instance
+        def start(settings: dict | None = None, **options) -> Airflow:
+            env = {**os.environ, **pipeline_connections, **(settings or {})}
+            return started.enter_context(
+                airflow_on_fresh_database(next(homes), env, postgres_server, migrated_database, **options)
+            )
 
-    try:
         yield start
-    finally:
-        for instance, database in started:
-            instance.stop(grace=TEARDOWN_STOP_GRACE_SECONDS)
-            postgres_server.drop_database(database)
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +179,10 @@ def shared_airflow(tmp_path_factory, pipeline_connections, postgres_server, migr
     """One Airflow with the project's DAGs for a module's tests that each start and finish runs of
     their own and leave its components alone (no kill, no settings of their own): its start-up,
     half a minute of two busy cores, is paid once."""
-    database, url = migrated_database("scheduler")
     env = {**os.environ, **pipeline_connections}
-    instance = Airflow(tmp_path_factory.mktemp("airflow-home"), env, database_url=url, database_migrated=True)
-    try:
-        instance.start()
+    home = tmp_path_factory.mktemp("airflow-home")
+    with airflow_on_fresh_database(home, env, postgres_server, migrated_database) as instance:
         yield instance
-    finally:
-        instance.stop(grace=TEARDOWN_STOP_GRACE_SECONDS)
-        postgres_server.drop_database(database)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_ZONE
-from tests.dags.conftest import TEARDOWN_STOP_GRACE_SECONDS
+from tests.dags.conftest import airflow_on_fresh_database
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.outcome import FAILURE_KEY
 from maxtext_sft.spec import RunSpec, build_run_spec
@@ -285,21 +285,14 @@ def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud
 @pytest.fixture
 def scheduled_airflow(tmp_path, pipeline_connections, postgres_server, migrated_database):
     """Airflow's components (scheduler, triggerer...) on a fresh database, running only the gate's DAG."""
-    from localcloud.airflow_harness import Airflow
-
-    database, url = migrated_database("gate")
     env = {
         **os.environ,
         **pipeline_connections,
         "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([GATE_BUNDLE]),
     }
-    instance = Airflow(tmp_path / "airflow-home", env, database_url=url, dag_id=DAG_ID, database_migrated=True)
-    try:
-        instance.start()
+    home = tmp_path / "airflow-home"
+    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, "gate", dag_id=DAG_ID) as instance:
         yield instance
-    finally:
-        instance.stop(grace=TEARDOWN_STOP_GRACE_SECONDS)
-        postgres_server.drop_database(database)
 
 
 def wait_until(condition, timeout: float, what: str):
