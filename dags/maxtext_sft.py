@@ -7,10 +7,16 @@ Trigger with run conf to override any Param; the trigger form documents each one
 
 from __future__ import annotations
 
-# The heavy clients the pipeline's operators are built on, named here so that the DAG processor
-# imports them once, before it forks each parse (README, Architecture: cheap to parse).
+# The Airflow modules a parse needs, named so that the DAG processor imports them once, before it
+# forks each parse (README, Architecture: cheap to parse): the operators' clients, @task and
+# EmptyOperator, the providers' Asset handlers, and what serializing the DAG looks up.
+import airflow.providers.common.compat.assets  # noqa: F401
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401
 import airflow.providers.google.cloud.operators.compute  # noqa: F401
+import airflow.providers.standard.operators.empty  # noqa: F401
+import airflow.providers.standard.operators.trigger_dagrun  # noqa: F401
+import airflow.providers.standard.sensors.external_task  # noqa: F401
+import airflow.sdk.definitions.decorators  # noqa: F401
 from airflow.sdk import DAG  # also what Airflow's safe-mode scan looks for in a DAG file
 from maxtext_sft.params import pipeline_params
 from maxtext_sft.pipeline import fine_tune_dag
