@@ -44,6 +44,17 @@ def retry_delay() -> timedelta:
     return timedelta(seconds=conf.getint("maxtext_sft", "retry_delay_seconds", fallback=30))
 
 
+def capacity_reads() -> dict[str, float]:
+    """Airflow config [maxtext_sft] capacity_first_read_seconds (default 60) and
+    capacity_poll_seconds (default 15): when the capacity gate's trigger reads a full reservation,
+    first after the deferral, then. Keep the first well above the executor's report of a deferred
+    try (CreateVmOperator, apache/airflow#72716)."""
+    return {
+        "capacity_first_read_seconds": conf.getfloat("maxtext_sft", "capacity_first_read_seconds", fallback=60),
+        "capacity_poll_seconds": conf.getfloat("maxtext_sft", "capacity_poll_seconds", fallback=15),
+    }
+
+
 def fine_tune_dag(
     dag_id: str,
     *,
@@ -129,6 +140,7 @@ def _add_fine_tune_tasks() -> None:
         lifetime_minutes=run["lifetime_minutes"],
         reservation=run["reservation"],
         max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
+        **capacity_reads(),
         gcp_conn_id=GCP_CONN_ID,
         retry_exponential_backoff=True,  # 5xx errors clear up over minutes
     )
