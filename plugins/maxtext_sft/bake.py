@@ -152,13 +152,13 @@ def build_bake_spec(
     """Validate the bake's Params; raises SpecError naming the first bad field."""
     p = {**BAKE_DEFAULTS, **params}
     work_dir = p["work_dir"]
-    if not isinstance(work_dir, str) or not HOME_PATH.match(work_dir):
+    if not isinstance(work_dir, str) or not HOME_PATH.fullmatch(work_dir):
         raise SpecError(
             f"Param 'work_dir': {work_dir!r} is not '~' or '~/...': the install runs as the VM user, who "
             "writes only in its home, and a run finds the venv in its own user's home"
         )
     machine_type = p["machine_type"]
-    if not isinstance(machine_type, str) or not GCE_NAME.match(machine_type):
+    if not isinstance(machine_type, str) or not GCE_NAME.fullmatch(machine_type):
         raise SpecError(f"Param 'machine_type': {machine_type!r} is not a machine type")
     if ACCELERATOR_MACHINE.match(machine_type):
         raise SpecError(
@@ -166,7 +166,7 @@ def build_bake_spec(
             "(use an on-demand CPU machine such as e2-standard-4)"
         )
     for name in ("image_family", "source_image_family"):
-        if not isinstance(p[name], str) or not GCE_NAME.match(p[name]):
+        if not isinstance(p[name], str) or not GCE_NAME.fullmatch(p[name]):
             raise SpecError(f"Param {name!r}: {p[name]!r} is not an image family name")
     # What the fine-tune's spec also checks (project, zone, network, image, disk, version, SSH
     # user and key, the install's time limit): its validation, on the bake's values.
@@ -199,7 +199,7 @@ def build_bake_spec(
     if image_name is None:
         run_hash = hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:8]
         image_name = f"maxtext-{label_value(version).replace('_', '-')}-{run_hash}"
-    if not isinstance(image_name, str) or not GCE_NAME.match(image_name):
+    if not isinstance(image_name, str) or not GCE_NAME.fullmatch(image_name):
         raise SpecError(f"Param 'image_name': {image_name!r} is not an image name (lowercase, digits, '-'; 1-63)")
     vm_name = vm_name_for(VM_NAME_PREFIX, dag_id, run_id, 0)
     lifetime = base.install_timeout_minutes + BAKE_MARGIN_MINUTES

@@ -25,12 +25,13 @@ from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_bake_outcome, record_failure
 from maxtext_sft.pipeline import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, retry_delay
 from maxtext_sft.sensors.vm import VmSshReadySensor
+from maxtext_sft.params import checked_schema
 from maxtext_sft.spec import GCE_NAME, GCE_ZONE, MAXTEXT_VERSION, PROJECT_ID, RunSpec, SpecError
 
 
 def bake_params() -> dict[str, Param]:
     def param(name: str, types, description: str, **schema) -> Param:
-        return Param(D[name], type=types, description=description, **schema)
+        return Param(D[name], type=types, description=description, **checked_schema(types, schema))
 
     return {
         "project_id": param(

@@ -64,7 +64,7 @@ def load_job(path: Path) -> dict[str, Any]:
     if unknown:
         raise bad(unknown[0], f"unknown field (known: {', '.join(sorted(FIELDS))})")
     dag_id = job.get("dag_id", path.stem.replace("-", "_"))
-    if not isinstance(dag_id, str) or not DAG_ID.match(dag_id):
+    if not isinstance(dag_id, str) or not DAG_ID.fullmatch(dag_id):
         raise bad("dag_id", f"{dag_id!r} is not a DAG id (letters, digits, _ . -)")
     schedule = job.get("schedule")
     if not isinstance(schedule, str) or not (schedule in SCHEDULE_PRESETS or _is_cron(schedule)):
@@ -80,7 +80,7 @@ def load_job(path: Path) -> dict[str, Any]:
     notify = job.get("notify") or {}
     if not isinstance(notify, dict) or set(notify) - {"conn_id"}:
         raise bad("notify", "expected {conn_id: <an Airflow connection whose host is the webhook URL>}")
-    if "conn_id" in notify and not (isinstance(notify["conn_id"], str) and CONN_ID.match(notify["conn_id"])):
+    if "conn_id" in notify and not (isinstance(notify["conn_id"], str) and CONN_ID.fullmatch(notify["conn_id"])):
         raise bad("notify.conn_id", f"{notify['conn_id']!r} is not a connection id")
     tags = job.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):

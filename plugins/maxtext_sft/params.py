@@ -51,14 +51,36 @@ PATTERNS = {
 SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
 
 
+def whole_value(pattern: str) -> str:
+    """`pattern` (anchored with ^ and $) that matches only a whole string. Airflow validates with
+    Python's re.search, whose `$` also matches before a final newline, so "team/model\\n" would
+    pass `^...$`; `(?![\\s\\S])` is the end of the string in Python and in the browser's
+    ECMAScript alike."""
+    return f"(?:{pattern})(?![\\s\\S])"
+
+
+# An item of the *_extra_args Params (plan_run checks the rest: key=value, keys the pipeline owns).
+EXTRA_ARG_ITEM = {"type": "string", "maxLength": spec.MAX_EXTRA_ARG_CHARS}
+
+
+def checked_schema(type_, schema: dict) -> dict:
+    """A Param's JSON schema as every DAG here declares one: draft 7, a pattern that must match
+    the whole value, and a length limit on a string."""
+    schema = {"$schema": SCHEMA_DRAFT, **schema}
+    if "pattern" in schema:
+        schema["pattern"] = whole_value(schema["pattern"])
+    if "string" in (type_ if isinstance(type_, list) else [type_]):
+        schema.setdefault("maxLength", spec.MAX_STRING_CHARS)
+    return schema
+
+
 def _param(name: str, type_, description: str, section: str, **schema) -> Param:
-    schema.setdefault("$schema", SCHEMA_DRAFT)
     if name in PATTERNS:
         schema.setdefault("pattern", PATTERNS[name].pattern)
     if name in INT_BOUNDS:
         schema.setdefault("minimum", INT_BOUNDS[name][0])
         schema.setdefault("maximum", INT_BOUNDS[name][1])
-    return Param(D[name], type=type_, description=description, section=section, **schema)
+    return Param(D[name], type=type_, description=description, section=section, **checked_schema(type_, schema))
 
 
 def pipeline_params() -> dict[str, Param]:
@@ -127,7 +149,7 @@ def pipeline_params() -> dict[str, Param]:
             "array",
             "Dataset columns (TRAIN_DATA_COLUMNS).",
             MODEL,
-            items={"type": "string", "pattern": spec.SAFE_TOKEN.pattern},
+            items={"type": "string", "pattern": whole_value(spec.SAFE_TOKEN.pattern)},
             minItems=1,
         ),
         "steps": _param("steps", "integer", "Training steps (STEPS).", MODEL),
@@ -147,13 +169,13 @@ def pipeline_params() -> dict[str, Param]:
             "array",
             "Extra to_maxtext arguments: key=value or --flag=value.",
             MAXTEXT,
-            items={"type": "string"},
+            items=EXTRA_ARG_ITEM,
         ),
         "train_extra_args": _param(
-            "train_extra_args", "array", "Extra train_sft arguments: key=value.", MAXTEXT, items={"type": "string"}
+            "train_extra_args", "array", "Extra train_sft arguments: key=value.", MAXTEXT, items=EXTRA_ARG_ITEM
         ),
         "export_extra_args": _param(
-            "export_extra_args", "array", "Extra to_huggingface arguments: key=value.", MAXTEXT, items={"type": "string"}
+            "export_extra_args", "array", "Extra to_huggingface arguments: key=value.", MAXTEXT, items=EXTRA_ARG_ITEM
         ),
         "output_location": _param(
             "output_location",

@@ -13,7 +13,7 @@ from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import HuggingFaceHubHook, hf_token
 from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.snapshots import SnapshotError, dataset_revision_at, files_at, snapshot_moment
-from maxtext_sft.spec import RunSpec, SpecError, build_run_spec
+from maxtext_sft.spec import RunSpec, SpecError, build_run_spec, refuse_unknown_keys
 
 
 def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) -> dict[str, Any]:
@@ -22,6 +22,7 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
 
     dag_run = context["dag_run"]
     try:
+        refuse_unknown_keys(dag_run.conf or {}, context["dag"].params)
         # Only the login and key are needed here; the VM's address exists once the VM does.
         ssh = SSHHook(ssh_conn_id=ssh_conn_id, remote_host="not-connected")
         if ssh.pkey is None:

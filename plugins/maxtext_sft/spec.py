@@ -9,11 +9,12 @@ paths. It has no Airflow imports, so tests build specs without Airflow.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -160,10 +161,27 @@ SSH_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 # gs://BUCKET[/PREFIX]: a bucket name and an optional object prefix without shell metacharacters.
 GCS_URI = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[A-Za-z0-9._=-]+)*/?$")
 GIT_BRANCH = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$")
+# The longest string Param taken: a gs:// location is at most a bucket plus a 1024-byte object
+# name, and nothing else the pipeline takes is longer. Longer values are refused before their
+# pattern is tried (and before the error message quotes them).
+MAX_STRING_CHARS = 1024
+MAX_EXTRA_ARG_CHARS = 4096  # one extra MaxText argument (a JSON-valued one can be long)
 
 
 class SpecError(ValueError):
     """A Param or connection value that cannot make a valid run; the message names the field."""
+
+
+def refuse_unknown_keys(conf: Mapping[str, Any], params: Iterable[str]) -> None:
+    """Refuse a run conf key that is no Param: Airflow passes it on unchecked, so a typo (`step`
+    for `steps`) would be ignored and the run paid for with the default."""
+    known = sorted(params)
+    unknown = sorted(set(conf) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (the Params: {', '.join(known)})"
+        others = f" (also unknown: {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+        raise SpecError(f"run conf key {unknown[0]!r} is not a Param of this DAG{hint}{others}")
 
 
 def _hash(text: str, length: int) -> str:
@@ -522,7 +540,9 @@ class RunSpec:
 
 def _require(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], what: str) -> str:
     value = params.get(name)
-    if not isinstance(value, str) or not pattern.match(value):
+    if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+        raise SpecError(f"Param {name!r}: {len(value)} characters, at most {MAX_STRING_CHARS}: {value[:40]!r}...")
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise SpecError(f"Param {name!r}: {value!r} is not {what}")
     return value
 
@@ -592,8 +612,8 @@ def validate_extra_args(step: str, args: Any) -> tuple[str, ...]:
         key = match.group(2)
         if key in OWNED_KEYS[step]:
             raise SpecError(f"Param {name!r}: {key!r} is set by the pipeline and cannot be overridden")
-        if "\x00" in arg or len(arg) > 4096:
-            raise SpecError(f"Param {name!r}: {arg[:40]!r}... has a NUL byte or is over 4096 characters")
+        if "\x00" in arg or len(arg) > MAX_EXTRA_ARG_CHARS:
+            raise SpecError(f"Param {name!r}: {arg[:40]!r}... has a NUL byte or is over {MAX_EXTRA_ARG_CHARS} characters")
         checked.append(arg)
     return tuple(checked)
 
@@ -622,7 +642,7 @@ def build_run_spec(
     """Validate every Param and derive the run's spec; raises SpecError naming the first bad field."""
     p = {**TUTORIAL_DEFAULTS, **params}
     project_id = p["project_id"] or default_project_id
-    if not isinstance(project_id, str) or not PROJECT_ID.match(project_id):
+    if not isinstance(project_id, str) or not PROJECT_ID.fullmatch(project_id):
         raise SpecError(
             f"Param 'project_id': {project_id!r} is not a Google Cloud project id "
             "(set the Param or the Google connection's project)"
@@ -640,10 +660,10 @@ def build_run_spec(
     if not isinstance(columns, (list, tuple)) or not columns:
         raise SpecError(f"Param 'train_data_columns': {columns!r} is not a non-empty list of column names")
     for column in columns:
-        if not isinstance(column, str) or not SAFE_TOKEN.match(column):
+        if not isinstance(column, str) or not SAFE_TOKEN.fullmatch(column):
             raise SpecError(f"Param 'train_data_columns': {column!r} is not a column name")
     revision = p["dataset_revision"]
-    if revision is not None and (not isinstance(revision, str) or not SAFE_TOKEN.match(revision)):
+    if revision is not None and (not isinstance(revision, str) or not SAFE_TOKEN.fullmatch(revision)):
         raise SpecError(f"Param 'dataset_revision': {revision!r} is not a branch, tag or commit id")
     if revision is not None and str(p["dataset_name"]).startswith(("/", "gs://")):
         raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder")
@@ -654,11 +674,11 @@ def build_run_spec(
         ).rstrip("/")
     model_name = _require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b")
     outputs = _outputs(p, model_name)
-    if not SSH_USER.match(ssh_user) or ssh_user == "root":
+    if not SSH_USER.fullmatch(ssh_user) or ssh_user == "root":
         raise SpecError(
             f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)"
         )
-    if not re.match(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+$", ssh_public_key):
+    if not re.fullmatch(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+$", ssh_public_key):
         raise SpecError("SSH connection: the private key does not give a usable public key")
     return RunSpec(
         dag_id=dag_id,

@@ -29,10 +29,16 @@ INVALID = [
     ("hub_repo_id", "not a repo"),
     ("train_extra_args", ["steps=5"]),  # the pipeline owns steps
     ("dataset_revision", "main"),  # with a dataset folder on the VM: only Hub datasets have revisions
+    # Python's `$` matches before a final newline: every pattern must match the whole value.
+    ("hub_repo_id", "team/model\n"),
+    ("model_name", "gemma3-4b\n"),
+    ("zone", "us-east5-b\n"),
+    ("output_location", "gs://bucket/" + "x" * 100_000),  # every string has a length limit
+    ("step", 3),  # no such Param (a typo of steps): the run would train the default steps
 ]
 
 
-@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}"[:60] for f, v in INVALID])
 def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, local_cloud):
     from airflow.sdk.definitions.param import ParamValidationError
 
@@ -47,7 +53,9 @@ def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, 
         assert run.state == "failed"
         assert run.task_states["plan_run"] == "failed", run.report()
         message = run.log[run.log.index("Invalid run configuration") :][:2000]
-    assert field in message, message
+    assert field in message, message[:2000]
+    if field == "step":
+        assert "did you mean 'steps'?" in message, message
     assert local_cloud.requests() == []
 
 
