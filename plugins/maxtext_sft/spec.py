@@ -102,15 +102,43 @@ TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
     "ct6e-standard-1t": {"accelerator_type": "v6e-1", "topology": "1x1", "chips_per_host_bounds": "1,1,1"},
 }
 
-# Hugging Face id and licence of the checkpoint MaxText's converter reads for a model name
-# (MaxText's HF_IDS); the model card's `base_model` and `license`.
-BASE_MODELS: dict[str, tuple[str, str]] = {
-    "gemma3-4b": ("google/gemma-3-4b-it", "gemma"),
-    "gemma3-12b": ("google/gemma-3-12b-it", "gemma"),
-    "gemma3-27b": ("google/gemma-3-27b-it", "gemma"),
-    "gemma2-2b": ("google/gemma-2-2b-it", "gemma"),
-    "llama3.1-8b": ("meta-llama/Llama-3.1-8B", "llama3.1"),
+# The models MaxText 0.2.2 converts from Hugging Face, each with the Hub checkpoint its converter
+# downloads (maxtext/utils/globals.py HF_IDS; to_maxtext refuses any other model_name, on the VM)
+# and, where the model's Hub card states one, its licence: the model card's `base_model` and
+# `license` (None: the card names no licence).
+BASE_MODELS: dict[str, tuple[str, str | None]] = {
+    **{name: (f"google/gemma-2-{size}", "gemma") for name, size in (("gemma2-2b", "2b"), ("gemma2-9b", "9b"), ("gemma2-27b", "27b"))},
+    **{f"gemma3-{size}": (f"google/gemma-3-{size}-it", "gemma") for size in ("4b", "12b", "27b")},
+    "gemma4-26b": ("google/gemma-4-26b-a4b-it", None),
+    "gemma4-31b": ("google/gemma-4-31b-it", None),
+    **{f"qwen2.5-{size}": (f"Qwen/Qwen2.5-{size.upper()}-Instruct", "apache-2.0") for size in ("1.5b", "7b", "14b")},
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", "apache-2.0"),
     "qwen3-4b": ("Qwen/Qwen3-4B", "apache-2.0"),
+    "qwen3-4b-thinking-2507": ("Qwen/Qwen3-4B-Thinking-2507", "apache-2.0"),
+    "qwen3-8b": ("Qwen/Qwen3-8B", "apache-2.0"),
+    "qwen3-14b": ("Qwen/Qwen3-14B", "apache-2.0"),
+    "qwen3-32b": ("Qwen/Qwen3-32B", "apache-2.0"),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B-Thinking-2507", "apache-2.0"),
+    "qwen3-30b-a3b-base": ("Qwen/Qwen3-30B-A3B-Base", "apache-2.0"),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B-Thinking-2507", "apache-2.0"),
+    "qwen3-480b-a35b": ("Qwen/Qwen3-Coder-480B-A35B-Instruct", "apache-2.0"),
+    "qwen3-omni-30b-a3b": ("Qwen/Qwen3-Omni-30B-A3B-Instruct", None),
+    "qwen3-next-80b-a3b": ("Qwen/Qwen3-Next-80B-A3B-Instruct", None),
+    "llama3.1-8b": ("meta-llama/Llama-3.1-8B", "llama3.1"),
+    "llama3.1-8b-Instruct": ("meta-llama/Llama-3.1-8B-Instruct", "llama3.1"),
+    "llama3.1-70b": ("meta-llama/Llama-3.1-70B", "llama3.1"),
+    "llama3.1-70b-Instruct": ("meta-llama/Llama-3.1-70B-Instruct", "llama3.1"),
+    "llama3.1-405b": ("meta-llama/Llama-3.1-405B", "llama3.1"),
+    "deepseek2-16b": ("deepseek-ai/DeepSeek-V2-Lite", None),
+    "deepseek3-671b": ("deepseek-ai/DeepSeek-V3", None),
+    "deepseek3.2-671b": ("deepseek-ai/DeepSeek-V3.2", None),
+    "gpt-oss-20b": ("openai/gpt-oss-20b", "apache-2.0"),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", "apache-2.0"),
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-Instruct-v0.1", "apache-2.0"),
+    "mixtral-8x22b": ("mistralai/Mixtral-8x22B-Instruct-v0.1", "apache-2.0"),
+    "olmo3-7b": ("allenai/Olmo-3-7B-Instruct", None),
+    "olmo3-7b-pt": ("allenai/Olmo-3-1025-7B", None),
+    "olmo3-32b": ("allenai/Olmo-3-32B-Think", None),
 }
 
 # MaxText arguments the pipeline itself sets; extra args may not override them.
@@ -575,7 +603,7 @@ def _optional(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], wh
 
 
 def _outputs(p: Mapping[str, Any], model_name: str) -> dict[str, Any]:
-    """The output and publishing Params, checked together (publishing needs a known base model)."""
+    """The output and publishing Params, checked together (the model card names the base model)."""
     location = _optional(p, "output_location", GCS_URI, "a gs://bucket/prefix location")
     known_id, known_license = BASE_MODELS.get(model_name, (None, None))
     base_model_id = _optional(p, "base_model_id", HUB_ID, "a Hugging Face model id (owner/name)") or known_id
@@ -583,11 +611,6 @@ def _outputs(p: Mapping[str, Any], model_name: str) -> dict[str, Any]:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit):
         raise SpecError(f"Param 'hub_max_final_loss': {limit!r} is not a number")
     repo_id = _optional(p, "hub_repo_id", HUB_ID, "a Hugging Face repo id (owner/name)")
-    if repo_id and not base_model_id:
-        raise SpecError(
-            f"Param 'base_model_id': needed to publish a fine-tune of {model_name!r} (its model card names the "
-            f"base model); known models: {sorted(BASE_MODELS)}"
-        )
     return {
         "output_location": location.rstrip("/") if location else None,
         "base_model_id": base_model_id,
@@ -673,6 +696,10 @@ def build_run_spec(
             lambda token: f"{started:%Y-%m-%d}" if token.group(1) == "ds" else f"{started:%Y%m%d}", dataset_name
         ).rstrip("/")
     model_name = _require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b")
+    if model_name not in BASE_MODELS:
+        close = difflib.get_close_matches(model_name, sorted(BASE_MODELS), n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f" ({', '.join(sorted(BASE_MODELS))})"
+        raise SpecError(f"Param 'model_name': {model_name!r} is not a model MaxText 0.2.2 converts from Hugging Face{hint}")
     outputs = _outputs(p, model_name)
     if not SSH_USER.fullmatch(ssh_user) or ssh_user == "root":
         raise SpecError(

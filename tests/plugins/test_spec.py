@@ -233,13 +233,21 @@ def test_the_conversion_cache_key_names_model_revision_version_and_flags():
     assert "--revision=abc123" in make_spec(model_revision="abc123").convert_args()
 
 
-def test_publishing_needs_a_known_base_model():
+def test_the_model_card_names_the_checkpoint_maxtext_converts_from():
     spec = make_spec(hub_repo_id="team/gemma-sft")
     assert (spec.base_model_id, spec.base_model_license) == ("google/gemma-3-4b-it", "gemma")
-    with pytest.raises(SpecError, match="'base_model_id'"):
-        make_spec(model_name="mystery-7b", hub_repo_id="team/x")
-    custom = make_spec(model_name="mystery-7b", hub_repo_id="team/x", base_model_id="lab/mystery-7b")
-    assert (custom.base_model_id, custom.base_model_license) == ("lab/mystery-7b", None)
+    # MaxText converts gemma2 from the pretrained checkpoint, not the instruction-tuned one.
+    assert make_spec(model_name="gemma2-2b").base_model_id == "google/gemma-2-2b"
+    custom = make_spec(model_name="qwen3-4b", hub_repo_id="team/x", base_model_id="lab/qwen3-4b-tuned")
+    assert (custom.base_model_id, custom.base_model_license) == ("lab/qwen3-4b-tuned", None)
+
+
+def test_a_model_maxtext_cannot_convert_is_refused_naming_model_name():
+    """to_maxtext refuses a model_name outside its HF_IDS, on the VM: refused here instead."""
+    with pytest.raises(SpecError, match=r"Param 'model_name': 'gemma3-4B' .*did you mean 'gemma3-4b'"):
+        make_spec(model_name="gemma3-4B")
+    with pytest.raises(SpecError, match=r"Param 'model_name': 'mystery-7b' is not a model MaxText 0.2.2 converts"):
+        make_spec(model_name="mystery-7b", hub_repo_id="team/x", base_model_id="lab/mystery-7b")
 
 
 def test_os_login_replaces_the_ssh_keys_metadata():
