@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import yaml
 
+from bench.run import compute_operations
 from localcloud.connections import LOCAL_HUB_USER, LOCAL_OUTPUTS_CONF, LOCAL_PROJECT, LOCAL_RUN_CONF
 from localcloud.webhook import WebhookReceiver
 from maxtext_sft.hooks.storage import StorageEndpointHook
@@ -82,14 +83,23 @@ def why_failed(airflow, runs) -> str:
     return "\n".join(report)
 
 
-def vm_lifetimes(requests: list[dict]) -> dict[str, tuple[str, str | None]]:
-    """VM name -> (accepted insert time, delete time) from the compute emulator's request log."""
+def vm_lifetimes(requests: list[dict], operations: list[dict]) -> dict[str, tuple[str, str | None]]:
+    """VM name -> (accepted insert time, accepted delete time) from the compute emulator's request
+    log. Only the insert whose operation made the VM counts (found by its requestId, the
+    operation's clientOperationId): an insert refused on its operation, as when two waiting runs
+    saw the same free machine and the other got it, made no VM."""
+    made = {
+        op.get("clientOperationId")
+        for op in operations
+        if op.get("operationType") == "insert" and op.get("status") == "DONE" and "error" not in op
+    }
     lives: dict[str, list] = {}
     for entry in requests:
         if entry["status"] != 200:
             continue
         if entry["method"] == "POST" and entry["path"].endswith("/instances"):
-            lives.setdefault(entry["body"]["name"], [entry["time"], None])
+            if (entry.get("query") or {}).get("requestId") in made:
+                lives.setdefault(entry["body"]["name"], [entry["time"], None])
         elif entry["method"] == "DELETE" and "/instances/" in entry["path"]:
             name = entry["path"].rsplit("/", 1)[-1]
             if name in lives and lives[name][1] is None:
@@ -154,7 +164,7 @@ def test_a_backfill_over_four_days_trains_each_on_its_snapshot_two_vms_at_a_time
         assert record["dataset_files"] == ["data/train_sft-00000-of-00001.parquet"]
 
     # Never more VMs than the reservation holds; every VM deleted.
-    lives = vm_lifetimes(local_cloud.requests())
+    lives = vm_lifetimes(local_cloud.requests(), compute_operations(local_cloud))
     assert set(lives) == {spec["vm_name"] for spec in specs}
     assert all(end is not None for _, end in lives.values()), lives
     assert most_alive_at_once(lives) == CAPACITY
