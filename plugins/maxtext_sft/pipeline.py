@@ -23,7 +23,12 @@ from typing import Any
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, conf, task
 from maxtext_sft.lineage import TUNED_MODEL
-from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
+from maxtext_sft.operators.compute import (
+    CAPACITY_FIRST_READ_SECONDS,
+    CAPACITY_POLL_SECONDS,
+    CreateVmOperator,
+    DeleteVmOperator,
+)
 from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome, record_failure
@@ -50,8 +55,10 @@ def capacity_reads() -> dict[str, float]:
     first after the deferral, then. Keep the first well above the executor's report of a deferred
     try (CreateVmOperator, apache/airflow#72716)."""
     return {
-        "capacity_first_read_seconds": conf.getfloat("maxtext_sft", "capacity_first_read_seconds", fallback=60),
-        "capacity_poll_seconds": conf.getfloat("maxtext_sft", "capacity_poll_seconds", fallback=15),
+        "capacity_first_read_seconds": conf.getfloat(
+            "maxtext_sft", "capacity_first_read_seconds", fallback=CAPACITY_FIRST_READ_SECONDS
+        ),
+        "capacity_poll_seconds": conf.getfloat("maxtext_sft", "capacity_poll_seconds", fallback=CAPACITY_POLL_SECONDS),
     }
 
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -107,7 +107,7 @@ TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
 # and, where the model's Hub card states one, its licence: the model card's `base_model` and
 # `license` (None: the card names no licence).
 BASE_MODELS: dict[str, tuple[str, str | None]] = {
-    **{name: (f"google/gemma-2-{size}", "gemma") for name, size in (("gemma2-2b", "2b"), ("gemma2-9b", "9b"), ("gemma2-27b", "27b"))},
+    **{f"gemma2-{size}": (f"google/gemma-2-{size}", "gemma") for size in ("2b", "9b", "27b")},
     **{f"gemma3-{size}": (f"google/gemma-3-{size}-it", "gemma") for size in ("4b", "12b", "27b")},
     "gemma4-26b": ("google/gemma-4-26b-a4b-it", None),
     "gemma4-31b": ("google/gemma-4-31b-it", None),
@@ -200,15 +200,20 @@ class SpecError(ValueError):
     """A Param or connection value that cannot make a valid run; the message names the field."""
 
 
-def refuse_unknown_keys(conf: Mapping[str, Any], params: Iterable[str]) -> None:
+def did_you_mean(value: str, known: Iterable[str], what: str, n: int = 1) -> str:
+    """The end of a refusal of `value`: the closest of `known`, or all of them as `what`."""
+    known = sorted(known)
+    close = difflib.get_close_matches(value, known, n=n)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else f" ({what}: {', '.join(known)})"
+
+
+def refuse_unknown_keys(conf: Mapping[str, Any], params: Collection[str]) -> None:
     """Refuse a run conf key that is no Param: Airflow passes it on unchecked, so a typo (`step`
     for `steps`) would be ignored and the run paid for with the default."""
-    known = sorted(params)
-    unknown = sorted(set(conf) - set(known))
+    unknown = sorted(set(conf) - set(params))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f" (the Params: {', '.join(known)})"
         others = f" (also unknown: {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+        hint = did_you_mean(unknown[0], params, "the Params")
         raise SpecError(f"run conf key {unknown[0]!r} is not a Param of this DAG{hint}{others}")
 
 
@@ -605,7 +610,7 @@ def _optional(params: Mapping[str, Any], name: str, pattern: re.Pattern[str], wh
 def _outputs(p: Mapping[str, Any], model_name: str) -> dict[str, Any]:
     """The output and publishing Params, checked together (the model card names the base model)."""
     location = _optional(p, "output_location", GCS_URI, "a gs://bucket/prefix location")
-    known_id, known_license = BASE_MODELS.get(model_name, (None, None))
+    known_id, known_license = BASE_MODELS[model_name]  # build_run_spec refused any other model
     base_model_id = _optional(p, "base_model_id", HUB_ID, "a Hugging Face model id (owner/name)") or known_id
     limit = p.get("hub_max_final_loss")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit != limit):
@@ -697,8 +702,7 @@ def build_run_spec(
         ).rstrip("/")
     model_name = _require(p, "model_name", SAFE_TOKEN, "a MaxText model name such as gemma3-4b")
     if model_name not in BASE_MODELS:
-        close = difflib.get_close_matches(model_name, sorted(BASE_MODELS), n=3)
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f" ({', '.join(sorted(BASE_MODELS))})"
+        hint = did_you_mean(model_name, BASE_MODELS, "known", n=3)
         raise SpecError(f"Param 'model_name': {model_name!r} is not a model MaxText 0.2.2 converts from Hugging Face{hint}")
     outputs = _outputs(p, model_name)
     if not SSH_USER.fullmatch(ssh_user) or ssh_user == "root":

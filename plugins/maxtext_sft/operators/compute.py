@@ -47,6 +47,9 @@ def with_expiry_label(body: dict, lifetime_minutes: int) -> dict:
 
 # States of an instance that is, or is becoming, the running VM a retry can adopt.
 LIVE_STATUSES = frozenset({"PROVISIONING", "STAGING", "RUNNING"})
+# When the capacity trigger reads a full reservation: first after the deferral, then (see CreateVmOperator).
+CAPACITY_FIRST_READ_SECONDS = 60
+CAPACITY_POLL_SECONDS = 15
 
 
 def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Instance | None:
@@ -112,8 +115,8 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         lifetime_minutes=None,
         reservation: str | None = None,
         max_capacity_wait_minutes: float | str = 720,
-        capacity_poll_seconds: float = 15,
-        capacity_first_read_seconds: float = 60,
+        capacity_poll_seconds: float = CAPACITY_POLL_SECONDS,
+        capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS,
         **kwargs,
     ):
         super().__init__(**kwargs)

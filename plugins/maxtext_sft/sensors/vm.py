@@ -74,6 +74,9 @@ class TrainingCheckpointSensor(_VmSensor):
             spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log
         )
 
+    def _recover_gone_vm(self, spec: RunSpec) -> None:
+        self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+
     def execute(self, context):
         spec = RunSpec.from_dict(self.spec)
         self.poke_interval = float(spec.poke_interval_seconds)
@@ -93,7 +96,7 @@ class TrainingCheckpointSensor(_VmSensor):
                     on_line=output.append,
                 )
         except NotFound:
-            self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+            self._recover_gone_vm(spec)
             return False
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
@@ -175,7 +178,7 @@ class TrainingCheckpointSensor(_VmSensor):
         try:
             status = hook.get_instance(resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id).status
         except NotFound:
-            self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+            self._recover_gone_vm(spec)
             return True
         if status == "RUNNING":
             return False
