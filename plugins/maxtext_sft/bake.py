@@ -24,43 +24,45 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from maxtext_sft.spec import (
-    GCE_NAME,
-    PACKAGE_LABEL,
-    TUTORIAL_DEFAULTS,
-    RunSpec,
-    SpecError,
-    build_run_spec,
-    label_value,
-    vm_name_for,
-)
+from maxtext_sft.run_names import PACKAGE_LABEL, label_value, vm_name_for
+from maxtext_sft.run_params import GCE_NAME, MAXTEXT, VM, Declared, SpecError, check_params, declared
+from maxtext_sft.spec import RunSpec, build_run_spec
 
-BAKE_DEFAULTS: dict[str, Any] = {
-    "project_id": None,  # None: the Google connection's project
-    "zone": TUTORIAL_DEFAULTS["zone"],
-    "network": "default",
-    "network_tag": TUTORIAL_DEFAULTS["network_tag"],
-    "use_internal_ip": False,
-    # The image the runs boot today (the tutorial's); the baked image is made from it.
-    "source_image_project": TUTORIAL_DEFAULTS["image_project"],
-    "source_image_family": TUTORIAL_DEFAULTS["image_family"],
+HOME_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*)$")
+_RUN = declared()  # the fine-tune's Params: the bake shares most of its kinds of value
+# The bake DAG's Params. The image it bakes from is the one runs boot today (the tutorial's).
+BAKE_PARAMS: tuple[Declared, ...] = (
+    _RUN["project_id"].but(description="Project of the VM and the image; empty: the connection's."),
+    _RUN["zone"].but(description="Zone of the bake's VM."),
+    _RUN["network"].but(description="VPC network of the VM."),
+    _RUN["network_tag"].but(description="Network tag (the pipeline's SSH firewall rule)."),
+    _RUN["use_internal_ip"].but(description="SSH to the VM's internal IP (no external one)."),
+    _RUN["image_project"].but(name="source_image_project", description="Project of the image to start from."),
+    _RUN["image_family"].but(name="source_image_family", description="Family of the image to start from."),
     # The install is CPU work (apt, uv, pip): a cheap on-demand CPU machine, no reservation.
-    "machine_type": "e2-standard-4",
-    "boot_disk_size_gb": TUTORIAL_DEFAULTS["boot_disk_size_gb"],
-    "maxtext_version": TUTORIAL_DEFAULTS["maxtext_version"],
-    "work_dir": TUTORIAL_DEFAULTS["work_dir"],
-    "image_family": "maxtext-sft",  # runs name it with image_project/image_family
-    "image_name": None,  # None: maxtext-<version>-<run hash>
-    "install_timeout_minutes": TUTORIAL_DEFAULTS["install_timeout_minutes"],
-}
+    Declared("machine_type", "string", "e2-standard-4",
+             "An on-demand CPU machine (the install is CPU work; no reservation).", VM,
+             pattern=GCE_NAME, what="a machine type"),
+    _RUN["boot_disk_size_gb"].but(description="Boot disk (and so image) size in GB: runs need at least this."),
+    _RUN["maxtext_version"].but(description="The MaxText version to install."),
+    _RUN["work_dir"].but(
+        description="Where the venv goes, under the VM user's home; runs must use the same work_dir and SSH login.",
+        pattern=HOME_PATH,
+        what="'~' or '~/...': the install runs as the VM user, who writes only in its home, and a run "
+        "finds the venv in its own user's home",
+    ),
+    _RUN["image_family"].but(default="maxtext-sft", description="Family of the baked image (runs' image_family).",
+                             section=MAXTEXT),
+    Declared("image_name", "string", None, "Name of the image; empty: maxtext-<version>-<run hash>.", MAXTEXT,
+             nullable=True, pattern=GCE_NAME, what="an image name (lowercase, digits, '-'; 1-63)"),
+    _RUN["install_timeout_minutes"].but(description="Time limit of the install (the VM lives this + 30 min)."),
+)
 
 VM_NAME_PREFIX = "maxtext-bake"
 # What the VM's lifetime adds to the install's time limit: boot, SSH, stop, the image.
 BAKE_MARGIN_MINUTES = 30
 # Accelerator machine types (TPU ct*, GPU a*/g2): the install needs none of them.
 ACCELERATOR_MACHINE = re.compile(r"^(ct[0-9]|a[0-9]-|g2-)")
-HOME_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*)$")
-
 
 def image_labels(version: str, ssh_user: str, work_dir: str) -> dict[str, str]:
     """What a baked image's labels say about its venv: a run finds it only with this user and
@@ -149,25 +151,15 @@ def build_bake_spec(
     ssh_user: str,
     ssh_public_key: str,
 ) -> BakeSpec:
-    """Validate the bake's Params; raises SpecError naming the first bad field."""
-    p = {**BAKE_DEFAULTS, **params}
-    work_dir = p["work_dir"]
-    if not isinstance(work_dir, str) or not HOME_PATH.fullmatch(work_dir):
-        raise SpecError(
-            f"Param 'work_dir': {work_dir!r} is not '~' or '~/...': the install runs as the VM user, who "
-            "writes only in its home, and a run finds the venv in its own user's home"
-        )
+    """Check the bake's Params; raises SpecError naming the first bad field."""
+    p = check_params(params, BAKE_PARAMS)
     machine_type = p["machine_type"]
-    if not isinstance(machine_type, str) or not GCE_NAME.fullmatch(machine_type):
-        raise SpecError(f"Param 'machine_type': {machine_type!r} is not a machine type")
     if ACCELERATOR_MACHINE.match(machine_type):
         raise SpecError(
             f"Param 'machine_type': {machine_type!r} is an accelerator machine; the install is CPU work "
-            "(use an on-demand CPU machine such as e2-standard-4)"
+            "(use an on-demand CPU machine such as e2-standard-4)",
+            "machine_type",
         )
-    for name in ("image_family", "source_image_family"):
-        if not isinstance(p[name], str) or not GCE_NAME.fullmatch(p[name]):
-            raise SpecError(f"Param {name!r}: {p[name]!r} is not an image family name")
     # What the fine-tune's spec also checks (project, zone, network, image, disk, version, SSH
     # user and key, the install's time limit): its validation, on the bake's values.
     shared = {
@@ -180,7 +172,7 @@ def build_bake_spec(
         "image_family": p["source_image_family"],
         "boot_disk_size_gb": p["boot_disk_size_gb"],
         "maxtext_version": p["maxtext_version"],
-        "work_dir": work_dir,
+        "work_dir": p["work_dir"],
         "install_timeout_minutes": p["install_timeout_minutes"],
         "reservation": "not-used-by-a-bake",  # the bake's VM is on demand; the field is unused
     }
@@ -195,17 +187,11 @@ def build_bake_spec(
         ssh_public_key=ssh_public_key,
     )
     version = base.maxtext_version
-    image_name = p["image_name"]
-    if image_name is None:
-        run_hash = hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:8]
-        image_name = f"maxtext-{label_value(version).replace('_', '-')}-{run_hash}"
-    if not isinstance(image_name, str) or not GCE_NAME.fullmatch(image_name):
-        raise SpecError(f"Param 'image_name': {image_name!r} is not an image name (lowercase, digits, '-'; 1-63)")
+    run_hash = hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:8]
+    image_name = p["image_name"] or f"maxtext-{label_value(version).replace('_', '-')}-{run_hash}"
     vm_name = vm_name_for(VM_NAME_PREFIX, dag_id, run_id, 0)
     lifetime = base.install_timeout_minutes + BAKE_MARGIN_MINUTES
-    vm_step_spec = dataclasses.replace(
-        base, vm_name=vm_name, reservation="", max_run_duration_minutes=lifetime
-    )
+    vm_step_spec = base.with_values(vm_name=vm_name, reservation="", max_run_duration_minutes=lifetime)
     return BakeSpec(
         dag_id=dag_id,
         run_id=run_id,
@@ -217,7 +203,7 @@ def build_bake_spec(
         source_image_family=base.image_family,
         boot_disk_size_gb=base.boot_disk_size_gb,
         maxtext_version=version,
-        work_dir=work_dir,
+        work_dir=p["work_dir"],
         ssh_user=ssh_user,
         image_family=p["image_family"],
         image_name=image_name,

@@ -17,56 +17,20 @@ from typing import Any
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, task
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.bake import BAKE_DEFAULTS as D
-from maxtext_sft.bake import BakeSpec, baked_image, build_bake_spec
+from maxtext_sft.bake import BAKE_PARAMS, BakeSpec, baked_image, build_bake_spec
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.operators.compute import CreateImageOperator, CreateVmOperator, DeleteVmOperator, StopVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_bake_outcome, record_failure
 from maxtext_sft.pipeline import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, retry_delay
 from maxtext_sft.sensors.vm import VmSshReadySensor
-from maxtext_sft.params import checked_schema
-from maxtext_sft.spec import GCE_NAME, GCE_ZONE, MAXTEXT_VERSION, PROJECT_ID, RunSpec, SpecError
+from maxtext_sft.params import airflow_params
+from maxtext_sft.run_params import SpecError
+from maxtext_sft.spec import RunSpec
 
 
 def bake_params() -> dict[str, Param]:
-    def param(name: str, types, description: str, **schema) -> Param:
-        return Param(D[name], type=types, description=description, **checked_schema(types, schema))
-
-    return {
-        "project_id": param(
-            "project_id", ["null", "string"], "Project of the VM and the image; empty: the connection's.",
-            pattern=PROJECT_ID.pattern,
-        ),
-        "zone": param("zone", "string", "Zone of the bake's VM.", pattern=GCE_ZONE.pattern),
-        "network": param("network", "string", "VPC network of the VM.", pattern=GCE_NAME.pattern),
-        "network_tag": param("network_tag", "string", "Network tag (the pipeline's SSH firewall rule).", pattern=GCE_NAME.pattern),
-        "use_internal_ip": param("use_internal_ip", "boolean", "SSH to the VM's internal IP (no external one)."),
-        "source_image_project": param("source_image_project", "string", "Project of the image to start from.", pattern=PROJECT_ID.pattern),
-        "source_image_family": param("source_image_family", "string", "Family of the image to start from.", pattern=GCE_NAME.pattern),
-        "machine_type": param(
-            "machine_type", "string", "An on-demand CPU machine (the install is CPU work; no reservation).",
-            pattern=GCE_NAME.pattern,
-        ),
-        "boot_disk_size_gb": param(
-            "boot_disk_size_gb", "integer", "Boot disk (and so image) size in GB: runs need at least this.",
-            minimum=10, maximum=65536,
-        ),
-        "maxtext_version": param("maxtext_version", "string", "The MaxText version to install.", pattern=MAXTEXT_VERSION.pattern),
-        "work_dir": param(
-            "work_dir", "string",
-            "Where the venv goes, under the VM user's home; runs must use the same work_dir and SSH login.",
-            pattern=r"^(~|~/[A-Za-z0-9._/-]*)$",
-        ),
-        "image_family": param("image_family", "string", "Family of the baked image (runs' image_family).", pattern=GCE_NAME.pattern),
-        "image_name": param(
-            "image_name", ["null", "string"], "Name of the image; empty: maxtext-<version>-<run hash>.",
-        ),
-        "install_timeout_minutes": param(
-            "install_timeout_minutes", "integer", "Time limit of the install (the VM lives this + 30 min).",
-            minimum=1, maximum=24 * 60,
-        ),
-    }
+    return airflow_params(BAKE_PARAMS)
 
 
 def plan_bake(context, *, gcp_conn_id: str, ssh_conn_id: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from maxtext_sft.spec import PACKAGE_LABEL
+from maxtext_sft.run_names import PACKAGE_LABEL
 
 log = logging.getLogger(__name__)
 

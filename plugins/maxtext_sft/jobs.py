@@ -7,7 +7,7 @@ in the UI as that loader's import error, naming the file and the field, and hide
 
 Everything is checked here, at parse time, from the file alone (no network, no database):
 the schedule, the dates, the notification connection's name, and every Param through the same
-checks a run makes (`spec.build_run_spec`) and the trigger form's schema.
+check a run makes (`spec.build_run_spec`, from the Params' one declaration in run_params.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import pendulum
 import yaml
 
 from airflow.sdk import DAG
-from airflow.sdk.definitions.param import ParamsDict
 from maxtext_sft.notifier import JobNotifier
 from maxtext_sft.params import pipeline_params, with_defaults
 from maxtext_sft.paths import include_dir
 from maxtext_sft.pipeline import fine_tune_dag
-from maxtext_sft.spec import SpecError, build_run_spec
+from maxtext_sft.run_params import SpecError
+from maxtext_sft.spec import build_run_spec
 
 FIELDS = {
     "dag_id", "description", "owner", "tags", "schedule", "start_date", "end_date", "catchup",
@@ -124,21 +124,12 @@ def _date(value: Any, bad, *, required: bool) -> pendulum.DateTime | None:
 
 
 def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
-    """The job's Param values, checked as a run would check them (the run's own identity aside)."""
+    """The job's Params: its values checked as a run checks them (the run's own identity aside)."""
     if not isinstance(values, dict):
         raise bad("params", "expected a mapping of Param names to values")
     try:
-        params = with_defaults(pipeline_params(), values)
-    except KeyError as error:
-        raise bad("params", error.args[0]) from None
-    for name in values:
-        try:
-            ParamsDict({name: params[name]}).validate()
-        except Exception as error:  # noqa: BLE001 - Airflow's ParamValidationError; its first line says why
-            raise bad(f"params.{name}", str(error).splitlines()[0].split(": ", 1)[-1]) from None
-    try:
         build_run_spec(
-            {name: param.value for name, param in params.items()},
+            values,
             dag_id=dag_id,
             run_id="parse-time-check",
             generation=0,
@@ -148,8 +139,10 @@ def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
             ssh_public_key="ssh-ed25519 AAAA",
         )
     except SpecError as error:
+        if error.param:
+            raise bad(f"params.{error.param}", str(error).removeprefix(f"Param {error.param!r}: ")) from None
         raise bad("params", str(error)) from None
-    return params
+    return with_defaults(pipeline_params(), values)
 
 
 def declared_job_dag(file_name: str) -> DAG:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from maxtext_sft.spec import MAX_RUN_DURATION_LIMITS_SECONDS
+from maxtext_sft.run_params import MAX_RUN_DURATION_LIMITS_SECONDS
 
 # XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
 PHASE_KEY = "phase"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from typing import Any
 
@@ -13,7 +12,8 @@ from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.hub import HuggingFaceHubHook, hf_token
 from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.snapshots import SnapshotError, dataset_revision_at, files_at, snapshot_moment
-from maxtext_sft.spec import RunSpec, SpecError, build_run_spec, refuse_unknown_keys
+from maxtext_sft.run_params import SpecError, refuse_unknown_keys
+from maxtext_sft.spec import RunSpec, build_run_spec
 
 
 def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def pin_dataset_snapshot(spec: RunSpec, dag_run, *, hf_conn_id: str, log) -> Run
         return spec
     how = f"Param dataset_revision {spec.dataset_revision}" if spec.dataset_revision else f"newest at {moment.isoformat()}"
     log.info("Dataset %s pinned to commit %s (%s): %s", spec.dataset_name, revision, how, files)
-    return dataclasses.replace(spec, dataset_revision=revision, dataset_files=tuple(files))
+    return spec.with_values(dataset_revision=revision, dataset_files=tuple(files))
 
 
 def list_bucket_dataset(spec: RunSpec, *, gcp_conn_id: str, log) -> RunSpec:
@@ -104,4 +104,4 @@ def list_bucket_dataset(spec: RunSpec, *, gcp_conn_id: str, log) -> RunSpec:
         return spec
     files = sorted(name for name in names if fnmatch.fnmatchcase(name, spec.train_files_pattern))
     log.info("Dataset %s: %s", spec.dataset_name, files)
-    return dataclasses.replace(spec, dataset_files=tuple(files))
+    return spec.with_values(dataset_files=tuple(files))

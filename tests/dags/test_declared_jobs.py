@@ -60,12 +60,12 @@ def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "field", "why"),
     [
-        ({**GOOD, "params": {**GOOD["params"], "steps": 0}}, "params.steps", "less than the minimum of 1"),
-        ({**GOOD, "params": {**GOOD["params"], "zone": "mars"}}, "params.zone", "does not match"),
-        ({**GOOD, "params": {**GOOD["params"], "stepz": 10}}, "params", "no such Param: stepz"),
-        ({**GOOD, "params": {"steps": 10}}, "params", "'reservation': required"),
-        ({**GOOD, "params": {**GOOD["params"], "train_extra_args": ["steps=5"]}}, "params", "set by the pipeline"),
-        ({**GOOD, "params": {**GOOD["params"], "output_location": "s3://x"}}, "params.output_location", "match"),
+        ({**GOOD, "params": {**GOOD["params"], "steps": 0}}, "params.steps", "0 is not an integer in [1, 10000000]"),
+        ({**GOOD, "params": {**GOOD["params"], "zone": "mars"}}, "params.zone", "'mars' is not a zone"),
+        ({**GOOD, "params": {**GOOD["params"], "stepz": 10}}, "params", "key 'stepz' is not a Param of this DAG; did you mean 'steps'?"),
+        ({**GOOD, "params": {"steps": 10}}, "params.reservation", "required"),
+        ({**GOOD, "params": {**GOOD["params"], "train_extra_args": ["steps=5"]}}, "params.train_extra_args", "set by the pipeline"),
+        ({**GOOD, "params": {**GOOD["params"], "output_location": "s3://x"}}, "params.output_location", "is not a gs://bucket/prefix location"),
         ({**GOOD, "schedule": "every day"}, "schedule", "not a cron expression"),
         ({**GOOD, "schedule": "61 * * * *"}, "schedule", "not a cron expression"),
         ({k: v for k, v in GOOD.items() if k != "start_date"}, "start_date", "required"),
@@ -105,6 +105,6 @@ def test_a_broken_job_is_one_import_error_naming_file_and_field_and_hides_no_oth
     assert bag.dags["good_two"].timetable.expression == "0 0 * * 0"
     errors = {path.rsplit("/", 1)[-1]: text for path, text in bag.import_errors.items()}
     assert set(errors) == {"job_broken.py", "job_not_yaml.py"}
-    assert "broken.yaml: field 'params.steps': -5 is less than the minimum of 1" in errors["job_broken.py"]
+    assert "broken.yaml: field 'params.steps': -5 is not an integer in [1, 10000000]" in errors["job_broken.py"]
     assert "not-yaml.yaml: not readable YAML" in errors["job_not_yaml.py"]
     assert textwrap.shorten(errors["job_broken.py"], 2000)  # one readable error, not a silent skip

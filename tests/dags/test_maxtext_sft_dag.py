@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from maxtext_sft.spec import TUTORIAL_DEFAULTS
+from maxtext_sft.run_params import defaults
 from tests.conftest import REPO
 
 TASK_ORDER = [
@@ -119,8 +119,8 @@ def test_tags_retries_and_waiting_modes(dag):
 
 def test_params_cover_the_tutorial_with_its_defaults(dag):
     params = dag.params
-    assert set(params.keys()) == set(TUTORIAL_DEFAULTS)
-    for name, default in TUTORIAL_DEFAULTS.items():
+    assert set(params.keys()) == set(defaults())
+    for name, default in defaults().items():
         assert params[name] == default, name
     for name in params.keys():
         assert params.get_param(name).description, name

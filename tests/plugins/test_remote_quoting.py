@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft import vm_steps
-from maxtext_sft.spec import SpecError, build_run_spec
+from maxtext_sft.run_params import SpecError
+from maxtext_sft.spec import build_run_spec
 
 pytestmark = pytest.mark.e2e
 SSH_CONN_ID = "maxtext_sft_vm_ssh"

@@ -7,14 +7,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from maxtext_sft.spec import (
-    GCE_NAME,
-    OWNED_KEYS,
-    TUTORIAL_DEFAULTS,
-    RunSpec,
-    SpecError,
-    build_run_spec,
-)
+from maxtext_sft.maxtext_args import OWNED_KEYS
+from maxtext_sft.run_params import GCE_NAME, SpecError, defaults
+from maxtext_sft.spec import RunSpec, build_run_spec
+
+TUTORIAL_DEFAULTS = defaults()
 
 STARTED = datetime(2026, 11, 29, 22, 29, 25, tzinfo=timezone.utc)
 RUN_ID = "manual__2026-11-29T22:29:25.123+00:00"
