@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 
 from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.export_files import export_folder
+from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.outputs import ExportLayout, ExportLayoutError, check_export_folder
 from maxtext_sft.paths import include_dir
 from maxtext_sft.sizing import gb
@@ -41,29 +41,13 @@ def _generation_env(scratch: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def fetch_model(location: str, into: Path, *, gcp_conn_id: str) -> ExportLayout:
-    """Copy the export at `location` (gs://..., or HOST:/path on a worker) into `into`; return its
-    checked layout (one model.safetensors, or the index and every shard it names)."""
-    if location.startswith("gs://"):
-        storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
-        bucket, prefix = split_gcs_uri(location)
-        names = storage.names_under(location)
-        if not names:
-            raise AirflowFailException(f"No model files under {location}")
-        for name in names:
-            target = into / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            storage.download(bucket, f"{prefix}/{name}", filename=str(target))
-    else:
-        host, _, path = location.partition(":")
-        if host != socket.gethostname():
-            raise AirflowFailException(
-                f"The model is in {path} on worker {host}, not on this one ({socket.gethostname()}): "
-                "give the fine-tune an output_location so that every worker can read its model"
-            )
-        shutil.copytree(path, into, dirs_exist_ok=True)
+def fetch_model(location: str, scratch: Path, *, gcp_conn_id: str) -> tuple[Path, ExportLayout]:
+    """The folder of the export at `location` (gs://..., downloaded into `scratch`, or HOST:/path
+    on this worker) and its checked layout (one model.safetensors, or the index and every shard
+    it names)."""
+    folder = export_folder(location, scratch, gcp_conn_id=gcp_conn_id)
     try:
-        return check_export_folder(into)
+        return folder, check_export_folder(folder)
     except ExportLayoutError as error:
         raise AirflowFailException(f"The model at {location} is incomplete: {error}") from None
 
@@ -116,8 +100,7 @@ def sample_generations(model: dict[str, Any], *, gcp_conn_id: str, max_new_token
         location=model["location"],
     )
     with tempfile.TemporaryDirectory(prefix="tuned-model-") as folder:
-        model_dir = Path(folder)
-        export = fetch_model(model["location"], model_dir, gcp_conn_id=gcp_conn_id)
+        model_dir, export = fetch_model(model["location"], Path(folder), gcp_conn_id=gcp_conn_id)
         log.info("Generating from %s (run %s, dataset %s@%s; %s weights: %s)", model["location"], model["run_name"],
                  model["dataset"], model["dataset_revision"], export.layout, list(export.weight_files))
         eval_dir = include_dir() / "eval"

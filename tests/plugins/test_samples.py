@@ -12,11 +12,12 @@ from tests.plugins.test_outputs import SHARDS, write_export
 
 
 @pytest.mark.parametrize("layout", ["sharded", "single"])
-def test_a_model_on_this_worker_is_copied_with_its_weights(tmp_path, layout):
+def test_a_model_on_this_worker_is_read_with_its_weights(tmp_path, layout):
     write_export(tmp_path / "export", layout)
-    export = fetch_model(f"{socket.gethostname()}:{tmp_path / 'export'}", tmp_path / "copy", gcp_conn_id="unused")
+    folder, export = fetch_model(f"{socket.gethostname()}:{tmp_path / 'export'}", tmp_path / "copy", gcp_conn_id="unused")
+    assert folder == tmp_path / "export"  # read where it is: this worker holds it
     assert export.layout == layout
-    assert all((tmp_path / "copy" / name).read_bytes() == b"weights" for name in export.weight_files)
+    assert all((folder / name).read_bytes() == b"weights" for name in export.weight_files)
     assert export.weight_files == (tuple(SHARDS) if layout == "sharded" else ("model.safetensors",))
 
 

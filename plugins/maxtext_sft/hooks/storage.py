@@ -8,6 +8,7 @@ local cloud in tests, is the connection extra `storage_api_endpoint` in gcloud's
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 
 from google.api_core.client_options import ClientOptions
 from google.api_core.exceptions import PreconditionFailed
@@ -77,6 +78,21 @@ class StorageEndpointHook(GCSHook):
         bucket, prefix = split_gcs_uri(folder_uri)
         blobs = self.get_conn().list_blobs(bucket, prefix=f"{prefix}/")
         return {blob.name[len(prefix) + 1 :]: blob.size or 0 for blob in blobs}
+
+    def download_folder(self, folder_uri: str, into: Path) -> list[str]:
+        """Copy every object under `folder_uri` into the local folder `into`, under its name
+        relative to the folder; returns those names, sorted. A name that would land outside `into`
+        (`..` parts) is refused before anything is written."""
+        bucket, prefix = split_gcs_uri(folder_uri)
+        names = self.names_under(folder_uri)
+        root = into.resolve()
+        targets = [(root / name).resolve() for name in names]
+        if outside := [name for name, target in zip(names, targets) if not target.is_relative_to(root)]:
+            raise ValueError(f"objects under {folder_uri} whose names leave the folder: {outside[:5]}")
+        for name, target in zip(names, targets):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.download(bucket, f"{prefix}/{name}", filename=str(target))
+        return names
 
     def read_text(self, uri: str) -> str:
         bucket, name = split_gcs_uri(uri)
