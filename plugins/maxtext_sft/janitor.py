@@ -29,11 +29,11 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from maxtext_sft.instances import EXPIRY_LABEL
 from maxtext_sft.run_names import PACKAGE_LABEL
 
 log = logging.getLogger(__name__)
 
-EXPIRY_LABEL = "expires-at"
 LIVE_RUN_STATES = frozenset({"queued", "running"})
 # A run state that could not be learnt (Airflow unreachable): the run may be alive.
 UNKNOWN = "unknown"

@@ -23,8 +23,8 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook
-from maxtext_sft.operators.compute import adoptable_instance, with_expiry_label
-from maxtext_sft.operators.vm_script import SshLoginProbe, run_vm_step
+from maxtext_sft.instances import adoptable_instance, with_expiry_label
+from maxtext_sft.vm_access import SshLoginProbe, run_vm_step
 from maxtext_sft.spec import RunSpec
 
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM

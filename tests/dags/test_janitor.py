@@ -12,7 +12,8 @@ import pytest
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.janitor import EXPIRY_LABEL, UNKNOWN, condemned
+from maxtext_sft.instances import EXPIRY_LABEL
+from maxtext_sft.janitor import UNKNOWN, condemned
 from maxtext_sft.run_names import PACKAGE_LABEL
 from tests.conftest import REPO
 from tests.plugins.test_spec import make_spec

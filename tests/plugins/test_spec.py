@@ -259,7 +259,7 @@ def test_os_login_replaces_the_ssh_keys_metadata():
 def test_ssh_via_iap_tunnels_through_gcloud():
     import shlex
 
-    from maxtext_sft.operators.vm_script import iap_tunnel_command
+    from maxtext_sft.vm_access import iap_tunnel_command
 
     spec = make_spec(ssh_via_iap=True)
     assert shlex.split(iap_tunnel_command(spec)) == [

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from maxtext_sft.hooks.vm_ssh import LoginRefused
-from maxtext_sft.operators import vm_script
+from maxtext_sft import vm_access
 from tests.plugins.test_spec import make_spec
 
 LOG = logging.getLogger("test")
@@ -38,25 +38,25 @@ def refusing_vm(monkeypatch):
             return state["os_login"]
 
     clock = Clock()
-    monkeypatch.setattr(vm_script, "vm_ssh_hook", refused_hook)
-    monkeypatch.setattr(vm_script, "ComputeEngineEndpointHook", Compute)
-    monkeypatch.setattr(vm_script.time, "monotonic", clock)
+    monkeypatch.setattr(vm_access, "vm_ssh_hook", refused_hook)
+    monkeypatch.setattr(vm_access, "ComputeEngineEndpointHook", Compute)
+    monkeypatch.setattr(vm_access.time, "monotonic", clock)
     return state, clock
 
 
 def test_os_login_on_for_a_run_without_it_fails_at_the_first_refusal(refusing_vm):
     state, _ = refusing_vm
     state["os_login"] = True
-    probe = vm_script.SshLoginProbe(make_spec(), "gcp", "ssh", LOG)
+    probe = vm_access.SshLoginProbe(make_spec(), "gcp", "ssh", LOG)
     with pytest.raises(LoginRefused, match=r"OS Login is enabled for VM .* Set the Param os_login"):
         probe()
 
 
 def test_otherwise_a_refusal_is_waited_for_during_the_grace_then_fails_naming_os_login(refusing_vm):
     _, clock = refusing_vm
-    probe = vm_script.SshLoginProbe(make_spec(), "gcp", "ssh", LOG)
+    probe = vm_access.SshLoginProbe(make_spec(), "gcp", "ssh", LOG)
     assert probe() is False  # the guest agent may not have made the user yet
-    clock.now += vm_script.LOGIN_GRACE_SECONDS - 1
+    clock.now += vm_access.LOGIN_GRACE_SECONDS - 1
     assert probe() is False
     clock.now += 1
     with pytest.raises(LoginRefused, match=r"for 90 s\)\. .*constraints/compute.requireOsLogin.*Param os_login"):
@@ -66,8 +66,8 @@ def test_otherwise_a_refusal_is_waited_for_during_the_grace_then_fails_naming_os
 def test_a_run_with_os_login_is_told_what_its_account_needs(refusing_vm):
     state, clock = refusing_vm
     state["os_login"] = True
-    probe = vm_script.SshLoginProbe(make_spec(os_login=True), "gcp", "ssh", LOG)
+    probe = vm_access.SshLoginProbe(make_spec(os_login=True), "gcp", "ssh", LOG)
     assert probe() is False
-    clock.now += vm_script.LOGIN_GRACE_SECONDS
+    clock.now += vm_access.LOGIN_GRACE_SECONDS
     with pytest.raises(LoginRefused, match=r"roles/compute.osAdminLogin"):
         probe()

@@ -31,5 +31,5 @@ class LoginRefused(AirflowFailException):
     """The VM's sshd refused the pipeline's user and key (authentication failed).
 
     Not a "still booting" error: the VM answered. It fails the task without retries, which would
-    be refused too; the wait for a new VM tolerates it briefly (see vm_script.SshLoginProbe).
+    be refused too; the wait for a new VM tolerates it briefly (see vm_access.SshLoginProbe).
     """

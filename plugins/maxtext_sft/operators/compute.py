@@ -26,7 +26,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.janitor import EXPIRY_LABEL  # the epoch second after which the VM has outlived its lifetime
+from maxtext_sft.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
 
 
@@ -38,40 +38,9 @@ def _hook(operator) -> ComputeEngineEndpointHook:
     )
 
 
-def with_expiry_label(body: dict, lifetime_minutes: int) -> dict:
-    """The insert body, labelled with when this VM should be gone: the janitor deletes it after
-    that, Airflow or not."""
-    expires = int(time.time()) + lifetime_minutes * 60
-    return {**body, "labels": {**body.get("labels", {}), EXPIRY_LABEL: str(expires)}}
-
-
-# States of an instance that is, or is becoming, the running VM a retry can adopt.
-LIVE_STATUSES = frozenset({"PROVISIONING", "STAGING", "RUNNING"})
 # When the capacity trigger reads a full reservation: first after the deferral, then (see CreateVmOperator).
 CAPACITY_FIRST_READ_SECONDS = 60
 CAPACITY_POLL_SECONDS = 15
-
-
-def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Instance | None:
-    """The live instance named in `where` that a create can adopt, or None if one must be created.
-
-    An instance left by a create that failed after the API accepted it (TERMINATED, say) holds
-    the name: it is deleted first.
-    """
-    try:
-        existing = hook.get_instance(**where)
-    except NotFound:
-        return None
-    if existing.status in LIVE_STATUSES:
-        log.info("Instance %s already exists (%s): adopting it", where["resource_id"], existing.status)
-        return existing
-    log.warning(
-        "Instance %s exists in state %s, left by a failed create: deleting it to create it again",
-        where["resource_id"],
-        existing.status,
-    )
-    hook.delete_instance(request_id=None, **where)
-    return None
 
 
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
@@ -129,10 +98,10 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     def execute(self, context) -> dict:
         return self._create(context, deadline=None, insert_key="")
 
-    def resume_after_capacity_wait(self, context, event: dict, deadline: float | None = None) -> dict:
-        # dag.test() in this Airflow drops defer()'s kwargs when the trigger fires
-        # (apache/airflow#69942); the trigger's event carries the same deadline.
-        deadline = event["deadline"] if deadline is None else deadline
+    def resume_after_capacity_wait(self, context, event: dict) -> dict:
+        # The deadline travels in the trigger's event (every event carries it), the one place the
+        # resumed try reads it from.
+        deadline = event["deadline"]
         if event["status"] == "timeout":
             raise AirflowFailException(self._gave_up(event["count"], deadline))
         if event["status"] != "free":
@@ -217,7 +186,6 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
                 impersonation_chain=self.impersonation_chain,
             ),
             method_name="resume_after_capacity_wait",
-            kwargs={"deadline": deadline},
         )
 
     def _gave_up(self, count: int, deadline: float) -> str:

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING
 
 from google.api_core.exceptions import NotFound
 
-from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from maxtext_sft.export_files import export_folder
 from maxtext_sft.hooks.hub import HuggingFaceHubHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.hooks.vm_ssh_common import LoginRefused, RemoteCommandError
 from maxtext_sft.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.loss_curve import LossHistory, downsample, parse_loss_history, render_loss_curve
-from maxtext_sft.operators.vm_script import HostKeysNotPublished, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.outputs import (
     LOSS_CURVE_NAME,
     MODEL_CARD_NAME,
@@ -34,14 +33,16 @@ from maxtext_sft.outputs import (
     run_record,
 )
 from maxtext_sft.paths import local_output_dir
+from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_access import HostKeysNotPublished, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 if TYPE_CHECKING:
     from maxtext_sft.hooks.vm_ssh import VmSSHHook
 
 
-class CollectOutputsOperator(BaseOperator):
+class CollectOutputsOperator(RunTaskOperator):
     """Write the model card next to the export, the loss curve, and the run record last; without
     an output location, first copy the export off the VM (its checkpoints die with it: the log
     says so). The per-step losses are read from the training log on the VM, which is still alive
@@ -49,17 +50,14 @@ class CollectOutputsOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("spec", "training", "base_checkpoint", "export")
 
-    def __init__(self, *, spec, training, base_checkpoint, export, gcp_conn_id: str, ssh_conn_id: str, **kwargs):
-        super().__init__(**kwargs)
-        self.spec = spec
+    def __init__(self, *, training, base_checkpoint, export, ssh_conn_id: str, **kwargs):
+        super().__init__(ssh_conn_id=ssh_conn_id, **kwargs)
         self.training = training
         self.base_checkpoint = base_checkpoint
         self.export = export
-        self.gcp_conn_id = gcp_conn_id
-        self.ssh_conn_id = ssh_conn_id
 
     def execute(self, context) -> dict:
-        spec = RunSpec.from_dict(self.spec)
+        spec = self.run_spec
         base_checkpoint = (self.base_checkpoint or {}).get("base_checkpoint")
         if spec.durable:
             record = self._in_storage(spec, base_checkpoint)
@@ -162,7 +160,7 @@ class CollectOutputsOperator(BaseOperator):
             return None
 
 
-class PublishToHubOperator(BaseOperator):
+class PublishToHubOperator(RunTaskOperator):
     """Upload the exported model with its card to `hub_repo_id` in one commit named after the run.
 
     Nothing is published, and the task fails, when the final loss is NaN, infinite or above
@@ -172,15 +170,12 @@ class PublishToHubOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("spec", "record")
 
-    def __init__(self, *, spec, record, gcp_conn_id: str, hf_conn_id: str, **kwargs):
-        super().__init__(**kwargs)
-        self.spec = spec
+    def __init__(self, *, record, hf_conn_id: str, **kwargs):
+        super().__init__(hf_conn_id=hf_conn_id, **kwargs)
         self.record = record
-        self.gcp_conn_id = gcp_conn_id
-        self.hf_conn_id = hf_conn_id
 
     def execute(self, context) -> dict | None:
-        spec = RunSpec.from_dict(self.spec)
+        spec = self.run_spec
         if not spec.hub_repo_id:
             self.log.info("hub_repo_id is not set: nothing to publish")
             return None
@@ -199,7 +194,7 @@ class PublishToHubOperator(BaseOperator):
                 self.log.info("Already published by this DAG run as commit %s; adding none", commit.commit_id)
                 return {"repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": commit.commit_id}
         with tempfile.TemporaryDirectory(prefix="maxtext-sft-publish-") as scratch:
-            folder = self._export_folder(spec, Path(scratch))
+            folder = export_folder(self.record["hf_export"], Path(scratch), gcp_conn_id=self.gcp_conn_id)
             try:  # checked again: what is uploaded is what this task read, not what collect_outputs saw
                 export = check_export_folder(folder)
             except ExportLayoutError as error:
@@ -216,21 +211,3 @@ class PublishToHubOperator(BaseOperator):
             )
         self.log.info("Published %s to %s@%s: commit %s", spec.run_name, spec.hub_repo_id, spec.hub_branch, info.oid)
         return {"repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": info.oid, "url": info.commit_url}
-
-    def _export_folder(self, spec: RunSpec, scratch: Path) -> Path:
-        export = self.record["hf_export"]
-        if export.startswith("gs://"):
-            storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
-            bucket, prefix = split_gcs_uri(export)
-            for name in storage.list(bucket, prefix=f"{prefix}/"):
-                target = scratch / name[len(prefix) + 1 :]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                storage.download(bucket, name, filename=str(target))
-            return scratch
-        host, _, path = export.partition(":")
-        if host != socket.gethostname() or not Path(path).is_dir():
-            raise AirflowException(
-                f"The export is at {export}, not on this worker ({socket.gethostname()}): without an "
-                "output_location, publishing must run where the export was copied (or share local_output_dir)"
-            )
-        return Path(path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from datetime import timedelta
 
 from google.api_core.exceptions import NotFound
@@ -13,13 +12,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE
-from maxtext_sft.operators.vm_script import (
-    HostKeysNotPublished,
-    SshLoginProbe,
-    transient_ssh_errors,
-    vm_ssh_hook,
-)
+from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_access import HostKeysNotPublished, SshLoginProbe, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
@@ -27,23 +22,13 @@ STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, or deleted by hand)"
 
 
-class _VmSensor(BaseSensorOperator):
-    template_fields: Sequence[str] = ("spec",)
-
-    def __init__(self, *, spec, gcp_conn_id: str, ssh_conn_id: str, **kwargs):
-        super().__init__(**kwargs)
-        self.spec = spec
-        self.gcp_conn_id = gcp_conn_id
-        self.ssh_conn_id = ssh_conn_id
-
-
-class VmSshReadySensor(_VmSensor):
+class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
     """Wait until the VM accepts an SSH login as the pipeline's (non-root) user."""
 
     _login_probe: SshLoginProbe | None = None
 
     def poke(self, context) -> bool:
-        spec = RunSpec.from_dict(self.spec)
+        spec = self.run_spec
         if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
             self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         try:
@@ -52,7 +37,7 @@ class VmSshReadySensor(_VmSensor):
             raise AirflowFailException(f"VM {spec.vm_name} no longer exists: {VM_GONE}") from None
 
 
-class TrainingCheckpointSensor(_VmSensor):
+class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     """Wait for the final checkpoint of the training started by start_training.sh.
 
     Each poke is one short SSH call that returns the new training log lines (copied into this
@@ -64,10 +49,9 @@ class TrainingCheckpointSensor(_VmSensor):
     durable checkpoint, a bounded number of times (`VmRecovery`).
     """
 
-    def __init__(self, *, hf_conn_id: str, **kwargs):
+    def __init__(self, *, ssh_conn_id: str, hf_conn_id: str, **kwargs):
         kwargs.setdefault("mode", "reschedule")
-        super().__init__(**kwargs)
-        self.hf_conn_id = hf_conn_id
+        super().__init__(ssh_conn_id=ssh_conn_id, hf_conn_id=hf_conn_id, **kwargs)
 
     def _recovery(self, spec: RunSpec) -> VmRecovery:
         return VmRecovery(
@@ -78,13 +62,13 @@ class TrainingCheckpointSensor(_VmSensor):
         self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
 
     def execute(self, context):
-        spec = RunSpec.from_dict(self.spec)
+        spec = self.run_spec
         self.poke_interval = float(spec.poke_interval_seconds)
         self.timeout = timedelta(hours=spec.training_timeout_hours).total_seconds()
         return super().execute(context)
 
     def poke(self, context):
-        spec = RunSpec.from_dict(self.spec)
+        spec = self.run_spec
         output: list[str] = []
         try:
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)

@@ -1,0 +1,183 @@
+"""How a task reaches the run's VM: its current address, an SSH hook that trusts only the host
+key the VM published, the probe that tells a booting VM from one that refuses the login, and one
+step script run on it.
+
+Below the operators and sensors that use it (VmScriptOperator, the sensors, collect_outputs) and
+the VM recovery, which runs the same steps on a recreated VM.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import TYPE_CHECKING, Any
+
+from google.api_core.exceptions import NotFound
+from googleapiclient.errors import HttpError
+
+from airflow.sdk.exceptions import AirflowException
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.hub import hf_token
+from maxtext_sft.hooks.vm_ssh_common import LoginRefused
+from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_steps import STEPS, parse_results, remote_command, script_files
+
+if TYPE_CHECKING:
+    from maxtext_sft.hooks.vm_ssh import VmSSHHook
+
+
+def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
+    """The VM's address, asked from the Compute API each time (a recreated VM may have a new one).
+
+    Raises google.api_core's NotFound when the instance is gone (the hook's discovery client
+    reports that as an HttpError 404).
+    """
+    hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
+    try:
+        return hook.get_instance_address(
+            zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id,
+            use_internal_ip=not spec.external_address,
+        )
+    except HttpError as error:
+        if error.resp.status == 404:
+            raise NotFound(f"instance {spec.vm_name} not found") from error
+        raise
+
+
+class HostKeysNotPublished(RuntimeError):
+    """The VM's guest agent has not published its SSH host keys (yet)."""
+
+
+def transient_ssh_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "not reachable yet / right now", not "broken" (for `except`: only
+    evaluated when something was raised, so paramiko is imported only by a task that uses SSH)."""
+    import paramiko
+
+    return (OSError, EOFError, paramiko.SSHException)
+
+
+def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> VmSSHHook:
+    """An SSH hook to the VM's current address that accepts only the host key the VM published.
+
+    Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
+    """
+    from maxtext_sft.hooks.os_login import os_login_username
+    from maxtext_sft.hooks.vm_ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
+    address = vm_address(spec, gcp_conn_id)
+    keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
+        resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
+    )
+    if not keys:
+        raise HostKeysNotPublished(f"VM {spec.vm_name} has published no SSH host keys in its guest attributes yet")
+    if spec.ssh_via_iap:
+        kwargs["host_proxy_cmd"] = iap_tunnel_command(spec)
+    hook = VmSSHHook(
+        ssh_conn_id=ssh_conn_id,
+        remote_host=address,
+        host_keys=keys,
+        conn_timeout=spec.ssh_connect_timeout_seconds,
+        **kwargs,
+    )
+    if spec.os_login:
+        hook.username = os_login_username(gcp_conn_id, spec.ssh_public_key, spec.project_id)
+    return hook
+
+
+def iap_tunnel_command(spec: RunSpec) -> str:
+    """gcloud's IAP TCP tunnel to the VM's port 22, as an SSH ProxyCommand (stdin/stdout)."""
+    return shlex.join([
+        "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
+        f"--zone={spec.zone}", f"--project={spec.project_id}", "--verbosity=warning",
+    ])
+
+
+# A new VM's guest agent creates the user from the ssh-keys metadata shortly after sshd starts;
+# until then a login is refused. Refused for longer than this, something else refuses it.
+LOGIN_GRACE_SECONDS = 90
+
+
+class SshLoginProbe:
+    """Whether a new VM accepts an SSH login as the pipeline's (non-root) user yet.
+
+    Unreachable, no host keys published yet: still booting, False. A refused login is not booting:
+    if OS Login is on by metadata and the run does not use it, it fails at once (the VM ignores the
+    ssh-keys metadata the run's key is in); otherwise it is given LOGIN_GRACE_SECONDS from the
+    first refusal, then fails naming what may refuse it. Keep one probe for one wait.
+    """
+
+    def __init__(self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any):
+        self.spec = spec
+        self.gcp_conn_id = gcp_conn_id
+        self.ssh_conn_id = ssh_conn_id
+        self.log = log
+        self.first_refused: float | None = None
+
+    def __call__(self) -> bool:
+        spec = self.spec
+        try:
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
+            with hook.get_conn():
+                status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
+        except LoginRefused as refused:
+            return self._refused(refused)
+        except (HostKeysNotPublished, *transient_ssh_errors()) as error:
+            self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
+            return False
+        return status == 0
+
+    def _refused(self, refused: LoginRefused) -> bool:
+        spec = self.spec
+        os_login = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id).os_login_enabled(
+            resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
+        )
+        if os_login and not spec.os_login:
+            raise LoginRefused(
+                f"{refused} OS Login is enabled for VM {spec.vm_name} (metadata enable-oslogin=TRUE, set on "
+                "the project or its organisation), so the VM ignores the ssh-keys metadata that holds this "
+                "run's key. Set the Param os_login to log in through OS Login as the Google connection's "
+                "account (roles/compute.osAdminLogin), or disable OS Login for these VMs."
+            ) from None
+        now = time.monotonic()
+        self.first_refused = self.first_refused or now
+        if now - self.first_refused < LOGIN_GRACE_SECONDS:
+            self.log.info("VM %s refused the login, maybe before its guest agent made the user: %s", spec.vm_name, refused)
+            return False
+        if spec.os_login:
+            why = (
+                "With the Param os_login the VM takes the key imported into the Google connection "
+                "account's OS Login profile: that account needs roles/compute.osAdminLogin on the VM."
+            )
+        else:
+            why = (
+                "The ssh-keys metadata holds this run's key; a VM ignores it when OS Login is enforced "
+                "(the organisation policy constraints/compute.requireOsLogin, or enable-oslogin=TRUE where "
+                "this account cannot read it): then set the Param os_login."
+            )
+        raise LoginRefused(f"{refused} (for {LOGIN_GRACE_SECONDS} s). {why}") from None
+
+
+def run_vm_step(
+    step: str, spec: RunSpec, results: dict, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str, log: Any
+) -> dict[str, str] | None:
+    """Upload the scripts and run `step`'s script on the run's VM; return what it reported."""
+    vm_step = STEPS[step]
+    stdin = (hf_token(hf_conn_id) + "\n").encode() if vm_step.needs_hf_token else None
+    hook = vm_ssh_hook(spec, gcp_conn_id, ssh_conn_id)
+    command = remote_command(step, spec, results)
+    reported: list[str] = []
+
+    def on_line(line: str) -> None:
+        log.info("%s", line)
+        if line.startswith("MAXTEXT_SFT_RESULT "):
+            reported.append(line)
+
+    with hook.get_conn():
+        hook.upload_scripts(script_files())
+        log.info("Running on %s: %s", spec.vm_name, command)
+        status, tail = hook.run_command(command, stdin=stdin, timeout=vm_step.timeout_seconds(spec), on_line=on_line)
+    if status != 0:
+        raise AirflowException(
+            f"{vm_step.script} exited with status {status} on {spec.vm_name}; last lines:\n" + "\n".join(tail)
+        )
+    return parse_results(reported) or None
