@@ -18,11 +18,11 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, task
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.bake import BAKE_PARAMS, BakeSpec, baked_image, build_bake_spec
+from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, task_defaults
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.operators.compute import CreateImageOperator, CreateVmOperator, DeleteVmOperator, StopVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_bake_outcome, record_failure
-from maxtext_sft.pipeline import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, retry_delay
 from maxtext_sft.sensors.vm import VmSshReadySensor
 from maxtext_sft.params import airflow_params
 from maxtext_sft.run_params import SpecError
@@ -90,12 +90,7 @@ def bake_image_dag(dag_id: str, *, doc_md: str | None = None) -> DAG:
         schedule=None,
         params=bake_params(),
         tags=["maxtext", "image"],
-        default_args={
-            "retries": 2,
-            "retry_delay": retry_delay(),
-            "owner": "ml-platform",
-            "on_failure_callback": record_failure,  # check_bake_outcome names the cause
-        },
+        default_args=task_defaults(owner="ml-platform", on_failure_callback=record_failure),  # check_bake_outcome names the cause
         doc_md=doc_md or __doc__,
     ) as dag:
         _add_bake_tasks()
@@ -148,6 +143,8 @@ def _add_bake_tasks() -> None:
     delete_vm = DeleteVmOperator(
         task_id="delete_vm", resource_id=planned["vm_name"], retries=5, **where
     ).as_teardown(setups=vm_lease)
-    outcome = check_bake_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    outcome = check_bake_outcome(vm_delete_task=delete_vm.task_id).as_teardown(
+        setups=vm_lease, on_failure_fail_dagrun=True
+    )
 
     go >> vm_lease >> create_vm >> wait_for_ssh >> install_maxtext >> stop_vm >> create_image >> delete_vm >> outcome

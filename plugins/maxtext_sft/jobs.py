@@ -145,6 +145,12 @@ def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
     return with_defaults(pipeline_params(), values)
 
 
+# A job file's fields that fine_tune_dag takes as they are.
+JOB_DAG_FIELDS = (
+    "params", "schedule", "start_date", "end_date", "catchup", "max_active_runs", "description", "tags", "owner"
+)
+
+
 def declared_job_dag(file_name: str) -> DAG:
     """The DAG of include/jobs/`file_name`; raises JobConfigError (the loader's import error)."""
     path = jobs_dir() / file_name
@@ -152,17 +158,9 @@ def declared_job_dag(file_name: str) -> DAG:
     notifier = JobNotifier(job["notify_conn_id"]) if job["notify_conn_id"] else None
     return fine_tune_dag(
         job["dag_id"],
-        params=job["params"],
-        schedule=job["schedule"],
-        start_date=job["start_date"],
-        end_date=job["end_date"],
-        catchup=job["catchup"],
-        max_active_runs=job["max_active_runs"],
+        **{field: job[field] for field in JOB_DAG_FIELDS},
         # A new job spends nothing until someone unpauses it (whatever dags_are_paused_at_creation says).
         is_paused_upon_creation=True,
-        description=job["description"],
-        tags=job["tags"],
-        owner=job["owner"],
         on_failure_callback=notifier,
         doc_md=f"Declared job `include/jobs/{path.name}`, running the fine-tune of plugins/maxtext_sft/pipeline.py.",
     )

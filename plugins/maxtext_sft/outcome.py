@@ -27,16 +27,18 @@ def failed_tasks(
     return {task_id: state for task_id, state in sorted(states.items()) if task_id not in ignore and state not in ok}
 
 
-def fail_unless_every_task_ok(context, what: str, ok: frozenset[str] = frozenset({"success"})) -> None:
+def fail_unless_every_task_ok(
+    context, what: str, vm_delete_task: str, ok: frozenset[str] = frozenset({"success"})
+) -> None:
     """Fail naming the tasks of this run (setups and the calling task aside) whose state is not
-    in `ok`, with the errors they left (record_failure)."""
+    in `ok`, with the errors they left (record_failure), and whether `vm_delete_task` deleted the VM."""
     ti, dag_run = context["ti"], context["dag_run"]
     states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
     setups = {t.task_id for t in context["dag"].tasks if t.is_setup}
     not_ok = failed_tasks(states, ignore={ti.task_id, *setups}, ok=ok)
     if not_ok:
         listed = ", ".join(f"{task_id}={state}" for task_id, state in not_ok.items())
-        vm = "the VM may still exist" if "delete_vm" in not_ok else "the VM was deleted"
+        vm = "the VM may still exist" if vm_delete_task in not_ok else "the VM was deleted"
         causes = [
             f"{task_id}: {reason}"
             for task_id, state in not_ok.items()
@@ -47,13 +49,13 @@ def fail_unless_every_task_ok(context, what: str, ok: frozenset[str] = frozenset
 
 
 @task(retries=0)
-def check_run_outcome(**context):
+def check_run_outcome(vm_delete_task: str, **context):
     """Fail the run, naming the tasks that did not succeed; teardowns alone cannot fail it."""
-    fail_unless_every_task_ok(context, "The fine-tune")
+    fail_unless_every_task_ok(context, "The fine-tune", vm_delete_task)
 
 
 @task(retries=0)
-def check_bake_outcome(**context):
+def check_bake_outcome(vm_delete_task: str, **context):
     """Fail the bake unless every task succeeded or was skipped (a family that already holds the
     version skips the bake: that is success)."""
-    fail_unless_every_task_ok(context, "The bake", ok=frozenset({"success", "skipped"}))
+    fail_unless_every_task_ok(context, "The bake", vm_delete_task, ok=frozenset({"success", "skipped"}))

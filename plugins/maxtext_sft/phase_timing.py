@@ -20,9 +20,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from maxtext_sft.run_params import MAX_RUN_DURATION_LIMITS_SECONDS
-
-# XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
-PHASE_KEY = "phase"
+from maxtext_sft.run_summary import PHASE_KEY
 # Context key carrying the first start from note_phase_start to record_phase (one process).
 _STARTED = "maxtext_sft_phase_started"
 # The first start must outlive the longest run (a VM lives at most 120 days), whatever the

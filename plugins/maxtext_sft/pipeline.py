@@ -17,49 +17,24 @@ and Param defaults, so every DAG runs the same steps:
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from airflow.providers.standard.operators.empty import EmptyOperator
-from airflow.sdk import DAG, Param, conf, task
+from airflow.sdk import DAG, Param, task
+from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, capacity_reads, task_defaults
 from maxtext_sft.lineage import TUNED_MODEL
-from maxtext_sft.operators.compute import (
-    CAPACITY_FIRST_READ_SECONDS,
-    CAPACITY_POLL_SECONDS,
-    CreateVmOperator,
-    DeleteVmOperator,
-)
+from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome, record_failure
 from maxtext_sft.phase_timing import note_phase_start, record_phase
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.preflight import run_preflight
+from maxtext_sft.run_summary import SummaryTasks
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.summarize import summarize_run
-
-GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
-SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM
-HF_CONN_ID = "huggingface_default"  # password = Hugging Face token (extra endpoint: a private Hub)
-
-
-def retry_delay() -> timedelta:
-    """Airflow config [maxtext_sft] retry_delay_seconds: how long a failed task waits to retry."""
-    return timedelta(seconds=conf.getint("maxtext_sft", "retry_delay_seconds", fallback=30))
-
-
-def capacity_reads() -> dict[str, float]:
-    """Airflow config [maxtext_sft] capacity_first_read_seconds (default 60) and
-    capacity_poll_seconds (default 15): when the capacity gate's trigger reads a full reservation,
-    first after the deferral, then. Keep the first well above the executor's report of a deferred
-    try (CreateVmOperator, apache/airflow#72716)."""
-    return {
-        "capacity_first_read_seconds": conf.getfloat(
-            "maxtext_sft", "capacity_first_read_seconds", fallback=CAPACITY_FIRST_READ_SECONDS
-        ),
-        "capacity_poll_seconds": conf.getfloat("maxtext_sft", "capacity_poll_seconds", fallback=CAPACITY_POLL_SECONDS),
-    }
 
 
 def fine_tune_dag(
@@ -91,16 +66,14 @@ def fine_tune_dag(
         params=params,
         tags=tags or ["maxtext", "sft", "tpu"],
         on_failure_callback=on_failure_callback,  # the run failed: tell its owners
-        default_args={
-            "retries": 2,
-            "retry_delay": retry_delay(),
-            "owner": owner,
-            # Each task's first start, end and tries, for the run summary (maxtext_sft.phase_timing);
-            # a failed task's error, for check_run_outcome to name the cause.
-            "on_execute_callback": note_phase_start,
-            "on_success_callback": record_phase,
-            "on_failure_callback": [record_failure, record_phase],
-        },
+        # Each task's first start, end and tries, for the run summary (maxtext_sft.phase_timing);
+        # a failed task's error, for check_run_outcome to name the cause.
+        default_args=task_defaults(
+            owner=owner,
+            on_execute_callback=note_phase_start,
+            on_success_callback=record_phase,
+            on_failure_callback=[record_failure, record_phase],
+        ),
         doc_md=doc_md or __doc__,
     ) as dag:
         _add_fine_tune_tasks()
@@ -225,12 +198,24 @@ def _add_fine_tune_tasks() -> None:
 
     # The run summary (phases, VM lifetime and cost, final loss, outputs), whatever happened: a
     # teardown without setups, so that it runs also when the run failed before the VM existed.
-    summary = summarize_run(gcp_conn_id=GCP_CONN_ID).as_teardown()
+    summary = summarize_run(
+        tasks=vars(SummaryTasks(
+            plan=run.operator.task_id,
+            create_vm=create_vm.task_id,
+            delete_vm=delete_vm.task_id,
+            training=wait_for_final_checkpoint.task_id,
+            outputs=collect_outputs.task_id,
+            publish=publish_to_hub.task_id,
+        )),
+        gcp_conn_id=GCP_CONN_ID,
+    ).as_teardown()
 
     # Airflow takes a run's state from its leaf tasks, and a successful delete would otherwise
     # decide it. This last teardown runs in every outcome (so also when a user marks the run
     # failed, which skips the tasks that had not run) and fails the run unless every task
     # succeeded, the delete included.
-    outcome = check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    outcome = check_run_outcome(vm_delete_task=delete_vm.task_id).as_teardown(
+        setups=vm_lease, on_failure_fail_dagrun=True
+    )
     [delete_vm, publish_to_hub] >> summary >> outcome
     [delete_vm, publish_to_hub] >> outcome

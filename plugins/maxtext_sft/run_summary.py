@@ -8,39 +8,30 @@ that ran: {"started": first try's start, "ended": ..., "try_number": N, "state":
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-CREATE_TASK = "create_vm"
-DELETE_TASK = "delete_vm"
+# XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
+PHASE_KEY = "phase"
 # Task states in which create_vm has started at least once, so a VM may have existed.
 STARTED_STATES = {"running", "success", "failed", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
 # States of a task that never ran because an earlier one failed (or a user marked the run failed).
 NOT_RUN_STATES = {"upstream_failed", "skipped", "removed", None}
 
 
-def pipeline_order(upstream: Mapping[str, Iterable[str]]) -> list[str]:
-    """Task ids, each after all of its upstream tasks; ties keep the given (definition) order."""
-    remaining = {task_id: set(ids) for task_id, ids in upstream.items()}
-    order: list[str] = []
-    while remaining:
-        ready = next((t for t, ids in remaining.items() if not ids & remaining.keys()), None)
-        if ready is None:  # a cycle cannot be a DAG; keep what is left in the given order
-            return order + list(remaining)
-        order.append(ready)
-        del remaining[ready]
-    return order
+@dataclass(frozen=True)
+class SummaryTasks:
+    """Which task of the DAG plays each part the summary reads, by task id (pipeline.py names them
+    from its own task objects)."""
 
-
-def downstream_of(upstream: Mapping[str, Iterable[str]], task_id: str) -> set[str]:
-    """Every task that (transitively) waits for `task_id`."""
-    found: set[str] = set()
-    frontier = {task_id}
-    while frontier:
-        frontier = {t for t, ids in upstream.items() if set(ids) & frontier} - found
-        found |= frontier
-    return found
+    plan: str  # its XCom "spec" is the run's spec
+    create_vm: str
+    delete_vm: str
+    training: str  # the training sensor: final step and loss
+    outputs: str  # collect_outputs: the run record
+    publish: str
 
 
 def _time(text: str | None) -> datetime | None:
@@ -131,6 +122,7 @@ def build_summary(
     published: Mapping[str, Any] | None,
     hourly_price_usd: float | None,
     now: datetime,
+    tasks: SummaryTasks,
     instance_created_at: str | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
@@ -139,25 +131,25 @@ def build_summary(
     # A phase without times shows "-" (the scheduler's no-op vm_lease never runs anywhere); only
     # what the VM's cost and the outputs depend on is worth a warning when it is missing.
     warnings = []
-    for task_id in (CREATE_TASK, DELETE_TASK):
+    for task_id in (tasks.create_vm, tasks.delete_vm):
         if states.get(task_id) in STARTED_STATES and not records.get(task_id):
             warnings.append(f"{task_id} ran ({states[task_id]}) but left no phase record: the VM's lifetime is unknown")
     not_succeeded = {row["task_id"]: row["state"] for row in phases if row["state"] != "success"}
     vm = vm_usage(
-        created=records.get(CREATE_TASK),
-        create_state=states.get(CREATE_TASK),
-        deleted=records.get(DELETE_TASK),
+        created=records.get(tasks.create_vm),
+        create_state=states.get(tasks.create_vm),
+        deleted=records.get(tasks.delete_vm),
         instance_created_at=instance_created_at,
-        delete_state=states.get(DELETE_TASK),
+        delete_state=states.get(tasks.delete_vm),
         hourly_price_usd=hourly_price_usd,
         now=now,
     )
     if vm["existed"] and not vm["deleted"]:
-        warnings.append(f"{DELETE_TASK} did not confirm the deletion: the VM may still exist (counted up to now)")
-    if states.get("collect_outputs") == "success" and not record:
-        warnings.append("collect_outputs succeeded but its run record was not found")
-    if states.get("wait_for_final_checkpoint") == "success" and not training:
-        warnings.append("wait_for_final_checkpoint succeeded but its final step and loss were not found")
+        warnings.append(f"{tasks.delete_vm} did not confirm the deletion: the VM may still exist (counted up to now)")
+    if states.get(tasks.outputs) == "success" and not record:
+        warnings.append(f"{tasks.outputs} succeeded but its run record was not found")
+    if states.get(tasks.training) == "success" and not training:
+        warnings.append(f"{tasks.training} succeeded but its final step and loss were not found")
     outputs = None
     if record:
         outputs = {
@@ -177,6 +169,7 @@ def build_summary(
         "final_loss": (training or {}).get("final_loss"),
         "outputs": outputs,
         "published": dict(published) if published else None,
+        "tasks": asdict(tasks),
         "warnings": warnings,
         "summarized_at": now.isoformat(),
     }
@@ -217,15 +210,16 @@ def render_text(summary: Mapping[str, Any]) -> str:
             f"  {tries:<8}  {when}".rstrip()
         )
     vm = summary["vm"]
+    create, delete, outputs = (summary["tasks"][part] for part in ("create_vm", "delete_vm", "outputs"))
     name = summary["vm_name"] or "the VM"
     if not vm["existed"]:
-        lines.append(f"VM: none was created ({CREATE_TASK} did not run); estimated cost $0.00")
+        lines.append(f"VM: none was created ({create} did not run); estimated cost $0.00")
     elif vm["lifetime_seconds"] is None:
-        lines.append(f"VM {name}: lifetime unknown ({CREATE_TASK} left no phase record); cost not estimated")
+        lines.append(f"VM {name}: lifetime unknown ({create} left no phase record); cost not estimated")
     else:
         span = (
-            f"at most: {CREATE_TASK}'s start to {DELETE_TASK}'s end" if vm["deleted"]
-            else f"so far: {CREATE_TASK}'s start to now, deletion not confirmed"
+            f"at most: {create}'s start to {delete}'s end" if vm["deleted"]
+            else f"so far: {create}'s start to now, deletion not confirmed"
         )
         cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
             f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
@@ -242,7 +236,7 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines.append("Outputs:")
         lines += [f"  {key}: {value}" for key, value in summary["outputs"].items() if value]
     else:
-        lines.append("Outputs: none recorded (collect_outputs did not succeed)")
+        lines.append(f"Outputs: none recorded ({outputs} did not succeed)")
     if summary["published"]:
         published = summary["published"]
         lines.append(f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}")

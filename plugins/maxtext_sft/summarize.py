@@ -7,27 +7,35 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow.sdk import task
+from airflow.sdk import TaskGroup, task
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.outputs import RUN_SUMMARY_NAME
-from maxtext_sft.phase_timing import PHASE_KEY
-from maxtext_sft.run_summary import build_summary, downstream_of, pipeline_order, render_text
+from maxtext_sft.run_summary import PHASE_KEY, SummaryTasks, build_summary, render_text
 from maxtext_sft.spec import RunSpec
 
-# The pipeline's tasks whose XComs the summary reads (dags/maxtext_sft.py).
-SPEC_TASK, TRAINING_TASK, OUTPUTS_TASK, PUBLISH_TASK = (
-    "plan_run", "wait_for_final_checkpoint", "collect_outputs", "publish_to_hub"
-)
+
+def _tasks_in_order(group: TaskGroup):
+    """The group's tasks, each after its upstream tasks (Airflow's own sort: ties in definition
+    order), the tasks of nested groups in their place."""
+    for node in group.topological_sort():
+        if isinstance(node, TaskGroup):
+            yield from _tasks_in_order(node)
+        else:
+            yield node
 
 
-def gather_summary(context, spec: dict | None) -> dict[str, Any]:
+def phase_order(dag, before: str) -> list[str]:
+    """The DAG's task ids in pipeline order, less `before` and every task that waits for it (they
+    have not finished when `before` runs: not phases yet)."""
+    later = {before} | dag.get_task(before).get_flat_relative_ids(upstream=False)
+    return [node.task_id for node in _tasks_in_order(dag.task_group) if node.task_id not in later]
+
+
+def gather_summary(context, spec: dict | None, tasks: SummaryTasks) -> dict[str, Any]:
     """The summary of this DAG run, from the task states and the XComs of every task before this
     one; `spec` is plan_run's (None when it failed)."""
-    ti, dag_run, dag = context["ti"], context["dag_run"], context["dag"]
-    upstream = {t.task_id: t.upstream_task_ids for t in dag.tasks}
-    # This task and what waits for it (check_run_outcome) have not finished: not phases yet.
-    later = {ti.task_id} | downstream_of(upstream, ti.task_id)
-    order = [task_id for task_id in pipeline_order(upstream) if task_id not in later]
+    ti, dag_run = context["ti"], context["dag_run"]
+    order = phase_order(context["dag"], ti.task_id)
     states = ti.get_task_states(dag_id=dag_run.dag_id, run_ids=[dag_run.run_id]).get(dag_run.run_id, {})
     return build_summary(
         dag_id=dag_run.dag_id,
@@ -36,29 +44,32 @@ def gather_summary(context, spec: dict | None) -> dict[str, Any]:
         states=states,
         records={task_id: ti.xcom_pull(task_ids=task_id, key=PHASE_KEY) for task_id in order},
         spec=spec,
-        training=ti.xcom_pull(task_ids=TRAINING_TASK),
-        record=ti.xcom_pull(task_ids=OUTPUTS_TASK),
-        published=ti.xcom_pull(task_ids=PUBLISH_TASK),
+        training=ti.xcom_pull(task_ids=tasks.training),
+        record=ti.xcom_pull(task_ids=tasks.outputs),
+        published=ti.xcom_pull(task_ids=tasks.publish),
         # Without a spec plan_run failed: no VM existed, so no price is needed.
         hourly_price_usd=spec.get("vm_hourly_price_usd") if spec else None,
         now=datetime.now(timezone.utc),
+        tasks=tasks,
         # When the VM came to be (after any wait for capacity): the instance create_vm returned.
-        instance_created_at=(ti.xcom_pull(task_ids="create_vm") or {}).get("creation_timestamp"),
+        instance_created_at=(ti.xcom_pull(task_ids=tasks.create_vm) or {}).get("creation_timestamp"),
     )
 
 
 @task(retries=0, show_return_value_in_logs=False)  # the log gets the text instead
-def summarize_run(gcp_conn_id: str = "google_cloud_default", **context):
+def summarize_run(tasks: dict[str, str], gcp_conn_id: str = "google_cloud_default", **context):
     """Log the run summary (phases, VM lifetime and estimated cost, final step and loss, outputs),
     return it (XCom), and with an output location write run-summary.json beside the run record.
+    `tasks` names the tasks it reads (SummaryTasks' fields: task ids).
 
     Never fails: a summary is worth having even when parts of it are missing, and a teardown
     that fails would only add noise to the run's outcome (check_run_outcome decides that).
     """
     log = context["task"].log
     try:
-        spec = context["ti"].xcom_pull(task_ids=SPEC_TASK, key="spec")
-        summary = gather_summary(context, spec)
+        parts = SummaryTasks(**tasks)
+        spec = context["ti"].xcom_pull(task_ids=parts.plan, key="spec")
+        summary = gather_summary(context, spec, parts)
     except Exception:
         log.warning("Could not gather the run summary", exc_info=True)
         return None

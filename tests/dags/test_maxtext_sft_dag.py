@@ -127,3 +127,19 @@ def test_params_cover_the_tutorial_with_its_defaults(dag):
     assert params["machine_type"] == "ct6e-standard-8t"
     assert params["image_family"] == "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
     assert params["dataset_name"] == "HuggingFaceH4/ultrachat_200k"
+
+
+def test_the_summary_reads_the_tasks_the_dag_made_and_lists_phases_in_its_order(dag):
+    from maxtext_sft.summarize import phase_order
+
+    summarize = dag.get_task("summarize_run")
+    parts = summarize.op_kwargs["tasks"]
+    assert set(parts.values()) <= set(dag.task_ids), parts
+    assert parts["create_vm"] == "create_vm" and parts["training"] == "wait_for_final_checkpoint"
+    assert dag.get_task("check_run_outcome").op_kwargs["vm_delete_task"] == parts["delete_vm"] == "delete_vm"
+    # Every task before the summary, in the DAG's own topological order; what waits for it is left out.
+    phases = phase_order(dag, "summarize_run")
+    assert [t for t in phases if t != "publish_to_hub"] == TASK_ORDER[: TASK_ORDER.index("summarize_run")]
+    assert phases.index("publish_to_hub") > phases.index("collect_outputs")
+    assert "check_run_outcome" not in phases
+    assert phase_order(dag, "collect_outputs")[-1] == "export_to_hf"

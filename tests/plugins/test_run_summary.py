@@ -8,37 +8,21 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from maxtext_sft.run_summary import (
-    build_summary,
-    downstream_of,
-    format_duration,
-    pipeline_order,
-    render_text,
-    vm_usage,
-)
+from maxtext_sft.run_summary import SummaryTasks, build_summary, format_duration, render_text, vm_usage
 
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
 NOW = T0 + timedelta(hours=3)
 
-# The pipeline's graph as dags/maxtext_sft.py draws it (task -> its upstream tasks), in definition order.
-UPSTREAM = {
-    "plan_run": [],
-    "preflight": ["plan_run"],
-    "vm_lease": ["preflight"],
-    "create_vm": ["vm_lease", "plan_run"],
-    "wait_for_ssh": ["create_vm", "plan_run"],
-    "install_maxtext": ["wait_for_ssh"],
-    "convert_checkpoint": ["install_maxtext"],
-    "start_training": ["convert_checkpoint"],
-    "wait_for_final_checkpoint": ["start_training"],
-    "export_to_hf": ["wait_for_final_checkpoint"],
-    "collect_outputs": ["export_to_hf", "wait_for_final_checkpoint", "convert_checkpoint"],
-    "delete_vm": ["collect_outputs", "vm_lease", "plan_run"],
-    "publish_to_hub": ["collect_outputs"],
-    "summarize_run": ["delete_vm", "publish_to_hub"],
-    "check_run_outcome": ["summarize_run", "delete_vm", "publish_to_hub", "vm_lease"],
-}
-PHASES = [t for t in UPSTREAM if t not in ("summarize_run", "check_run_outcome")]
+# The pipeline's tasks in the order its summary lists them (tests/dags/test_maxtext_sft_dag.py
+# checks that order on the DAG itself).
+PHASES = [
+    "plan_run", "preflight", "vm_lease", "create_vm", "wait_for_ssh", "install_maxtext", "convert_checkpoint",
+    "start_training", "wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "delete_vm", "publish_to_hub",
+]
+TASKS = SummaryTasks(
+    plan="plan_run", create_vm="create_vm", delete_vm="delete_vm", training="wait_for_final_checkpoint",
+    outputs="collect_outputs", publish="publish_to_hub",
+)
 
 
 def at(minutes: float) -> str:
@@ -82,15 +66,8 @@ TRAINING = {"final_step": 1000, "final_loss": "0.812"}
 def summary(states: dict, records: dict, *, price: float | None = 20.0, record=RECORD, training=TRAINING, spec=SPEC):
     return build_summary(
         dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states=states, records=records, spec=spec,
-        training=training, record=record, published=None, hourly_price_usd=price, now=NOW,
+        training=training, record=record, published=None, hourly_price_usd=price, now=NOW, tasks=TASKS,
     )
-
-
-def test_the_order_is_the_pipelines_and_what_waits_for_the_summary_is_left_out():
-    assert pipeline_order(UPSTREAM) == list(UPSTREAM)
-    assert pipeline_order({"b": ["a"], "a": []}) == ["a", "b"]
-    assert downstream_of(UPSTREAM, "summarize_run") == {"check_run_outcome"}
-    assert downstream_of(UPSTREAM, "collect_outputs") >= {"delete_vm", "publish_to_hub", "check_run_outcome"}
 
 
 def test_phases_keep_pipeline_order_with_durations_that_include_retries_and_reschedules():

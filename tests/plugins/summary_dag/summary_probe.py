@@ -19,6 +19,7 @@ from airflow.sdk import DAG, BaseSensorOperator, Param, PokeReturnValue, task
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.outcome import check_run_outcome, record_failure
 from maxtext_sft.phase_timing import note_phase_start, record_phase
+from maxtext_sft.run_summary import SummaryTasks
 from maxtext_sft.spec import build_run_spec
 from maxtext_sft.summarize import summarize_run
 
@@ -114,6 +115,10 @@ with DAG(
     run >> vm_lease >> create_vm() >> wait >> export_to_hf() >> collected >> deleted
     collected >> published
     # A teardown without setups: it runs even when the setup never ran (plan_run failed).
-    summary = summarize_run().as_teardown()
+    parts = SummaryTasks(
+        plan=run.operator.task_id, create_vm="create_vm", delete_vm=deleted.operator.task_id,
+        training=wait.task_id, outputs=collected.operator.task_id, publish=published.operator.task_id,
+    )
+    summary = summarize_run(tasks=vars(parts)).as_teardown()
     [deleted, published] >> summary
-    summary >> check_run_outcome().as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
+    summary >> check_run_outcome(vm_delete_task=parts.delete_vm).as_teardown(setups=vm_lease, on_failure_fail_dagrun=True)
