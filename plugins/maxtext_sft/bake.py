@@ -97,6 +97,11 @@ class BakeSpec:
     vm_step_spec: dict  # the RunSpec the SSH steps (wait_for_ssh, install_maxtext) take
 
     @property
+    def vm_run_spec(self) -> RunSpec:
+        """vm_step_spec as a RunSpec."""
+        return RunSpec.from_dict(self.vm_step_spec)
+
+    @property
     def boot_disk(self) -> str:
         """The VM's boot disk (named after the VM, as an instance's boot disk is by default)."""
         return f"projects/{self.project_id}/zones/{self.zone}/disks/{self.vm_name}"
@@ -108,8 +113,7 @@ class BakeSpec:
     def instance_body(self) -> dict[str, Any]:
         """The insert body (google-cloud-compute's field names): an on-demand CPU VM booting the
         source image, which deletes itself when its lifetime ends, whatever Airflow does."""
-        spec = RunSpec.from_dict(self.vm_step_spec)
-        body = spec.instance_body()
+        body = self.vm_run_spec.instance_body()
         body.pop("reservation_affinity")
         body.pop("service_accounts")  # the install reads nothing from Google Cloud
         body["machine_type"] = f"projects/{self.project_id}/zones/{self.zone}/machineTypes/{self.machine_type}"

@@ -26,7 +26,6 @@ from maxtext_sft.outcome import check_bake_outcome, record_failure
 from maxtext_sft.sensors.vm import VmSshReadySensor
 from maxtext_sft.params import airflow_params
 from maxtext_sft.run_params import SpecError
-from maxtext_sft.spec import RunSpec
 
 
 def bake_params() -> dict[str, Param]:
@@ -75,7 +74,7 @@ def plan_bake(context, *, gcp_conn_id: str, ssh_conn_id: str) -> dict[str, Any]:
         "project_id": spec.project_id,
         "zone": spec.zone,
         "vm_name": spec.vm_name,
-        "request_id": RunSpec.from_dict(spec.vm_step_spec).request_id,
+        "request_id": spec.vm_run_spec.request_id,
         "instance_body": spec.instance_body(),
         "lifetime_minutes": spec.max_run_duration_minutes,
         "image_body": spec.image_body(),
