@@ -138,3 +138,32 @@ def test_a_host_key_other_than_the_published_one_is_refused(vm):
 def test_no_usable_host_key_is_refused_before_connecting():
     with pytest.raises(ValueError, match="no usable SSH host key"):
         VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="192.0.2.1", host_keys={"ssh-dss": "AAAA"})
+
+
+@pytest.mark.parametrize(
+    ("paramiko_says", "refused"),
+    [
+        ("Authentication failed.", True),  # the server answered the login: no
+        ("Authentication failed: transport shut down or saw EOF", False),  # the VM went away mid-login
+        ("Authentication timeout.", False),  # no answer to the login in time: a frozen VM
+    ],
+)
+def test_only_an_answered_login_is_a_refusal(monkeypatch, vm, paramiko_says, refused):
+    """A preempted VM can drop the connection during the login; paramiko reports that as an
+    AuthenticationException too (auth_handler.wait_for_response). That VM is lost, not refusing:
+    the training sensor must see an unreachable VM (and recover it), not fail the run."""
+    import paramiko
+    from airflow.providers.ssh.hooks.ssh import SSHHook
+
+    def login(self):
+        raise paramiko.AuthenticationException(paramiko_says)
+
+    address, host_keys = vm
+    hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys)
+    monkeypatch.setattr(SSHHook, "get_conn", login)
+    with pytest.raises((LoginRefused, paramiko.SSHException)) as raised:
+        hook.get_conn()
+    # A refusal fails the task at once; anything else is what the sensors take as "not reachable now".
+    assert isinstance(raised.value, LoginRefused) is refused
+    assert isinstance(raised.value, paramiko.SSHException) is not refused
+    assert not isinstance(raised.value, paramiko.AuthenticationException)

@@ -25,6 +25,11 @@ from maxtext_sft.hooks.vm_ssh_common import REMOTE_SCRIPT_DIR, HostKeyMismatch, 
 __all__ = ["REMOTE_SCRIPT_DIR", "HostKeyMismatch", "LoginRefused", "RemoteCommandError", "VmSSHHook"]
 
 
+# paramiko's AuthenticationException also reports a connection that ended, or timed out, before
+# the server answered the login (paramiko/auth_handler.py, wait_for_response): no refusal.
+LOST_DURING_AUTHENTICATION = ("transport shut down or saw EOF", "Authentication timeout")
+
+
 class VmSSHHook(SSHHook):
     """One SSH client to one VM; no inactivity timeout, since real steps are silent for minutes.
 
@@ -59,6 +64,11 @@ class VmSSHHook(SSHHook):
         try:
             return super().get_conn()
         except paramiko.AuthenticationException as error:
+            if any(sign in str(error) for sign in LOST_DURING_AUTHENTICATION):
+                # The VM went away (preempted, deleted) or froze mid-login: unreachable, not refused.
+                raise paramiko.SSHException(
+                    f"{self.remote_host}: the connection ended during the SSH login: {error}"
+                ) from error
             raise LoginRefused(
                 f"{self.remote_host} refused the SSH login of {self.username} with the connection's key: {error}"
             ) from None
