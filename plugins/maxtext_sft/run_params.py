@@ -200,10 +200,19 @@ PARAMS: tuple[Declared, ...] = (
              minimum=1, maximum=3600),
     Declared("stall_timeout_seconds", "integer", 3600,
              "Fail the run when no training step completes for this long.", TIMING, minimum=10, maximum=7 * 24 * 3600),
-    Declared("checkpoint_period", "integer", 10000,
-             "Save a checkpoint every this many steps (and the last); with output_location, what a "
-             "recreated VM resumes from. 10000 (MaxText's default): step 1 and the last step only.", TIMING,
-             minimum=1, maximum=10_000_000),
+    Declared("unreachable_timeout_seconds", "integer", 600,
+             "A training VM that answers no SSH for this long is lost: recreated and resumed "
+             "(with output_location), else the run fails and the VM is deleted.", TIMING,
+             minimum=10, maximum=24 * 3600),
+    Declared("checkpoint_period", "integer", None,
+             "Save a checkpoint every this many steps (and the last): what a recreated VM resumes from. "
+             "Empty: with output_location every tenth of the steps, at least every 1000; without it "
+             "MaxText's 10000 (checkpoints on the VM die with it: step 1 and the last only).", TIMING,
+             nullable=True, minimum=1, maximum=10_000_000),
+    Declared("checkpoints_kept", "integer", 2,
+             "With output_location: the newest committed training checkpoints kept in storage; older "
+             "ones are deleted as newer ones commit (the final step is the newest). Empty: keep all.",
+             TIMING, nullable=True, minimum=1, maximum=1000),
     Declared("max_vm_recoveries", "integer", 2,
              "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
              "output_location (0: never; the run fails).", TIMING, minimum=0, maximum=10),

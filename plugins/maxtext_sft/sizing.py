@@ -139,5 +139,14 @@ def saved_steps(steps: int, checkpoint_period: int) -> int:
     return len(saved)
 
 
+def prunable_steps(committed: list[int], kept: int | None) -> list[int]:
+    """Which of the committed checkpoint steps (ascending) to delete so that the newest `kept`
+    stay (None: keep all). MaxText 0.2.2's train_sft does not prune: its Orbax options set no
+    max_to_keep (max_num_checkpoints_to_keep is read by the RL and distillation trainers only)."""
+    if kept is None or len(committed) <= kept:
+        return []
+    return committed[:-kept]
+
+
 def gb(size: int) -> str:
     return f"{size / GB:.1f} GB"

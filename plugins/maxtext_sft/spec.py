@@ -18,7 +18,7 @@ from typing import Any
 
 from maxtext_sft.catalog import BASE_MODELS
 from maxtext_sft.compute_body import ComputeInstanceBody
-from maxtext_sft.maxtext_args import MaxTextCommandLines, refuse_owned_keys
+from maxtext_sft.maxtext_args import MaxTextCommandLines, checkpoint_period_for, refuse_owned_keys
 from maxtext_sft.run_names import RunPaths, run_name_for, vm_name_for
 from maxtext_sft.run_params import (
     DATASET,
@@ -106,6 +106,7 @@ def build_run_spec(
         refuse_owned_keys(step, p[f"{step}_extra_args"])
     if p["output_location"]:
         p["output_location"] = p["output_location"].rstrip("/")
+    p["checkpoint_period"] = p["checkpoint_period"] or checkpoint_period_for(p["steps"], bool(p["output_location"]))
     known_id, known_license = BASE_MODELS[p["model_name"]]
     p["base_model_id"] = p["base_model_id"] or known_id
     p["max_run_duration_minutes"] = p["max_run_duration_minutes"] or lifetime_minutes(p)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from bench.run import compute_operations
 from tests.dags import fault_tally
 
 # Every row is an independent whole-DAG run: parallel workers may split them.
@@ -36,6 +37,9 @@ class Fault:
     preempt_after: str | None = None
     preemptions: int = 1
     cloud_after_preempt: dict | None = None  # cloud faults set for the (last) preemption, as it happens
+    # The VM's sshd is frozen (no SSH banner: the VM is up but unreachable) once its training
+    # log has this text; the MaxText faults are lifted once that VM is gone.
+    freeze_sshd_after: str | None = None
     recoveries: int = 1  # entries in the recovery ledger of a run that resumed
     durable: bool = False  # checkpoints in the local bucket (output_location)
 
@@ -43,6 +47,8 @@ class Fault:
 DURABLE_CONF = {"output_location": "gs://fault-matrix/outputs", "checkpoint_period": 3}
 # Holds the training after step 4 (checkpoints 1 and 3 committed) until the VM is deleted.
 HELD_AT_STEP_5 = {"train_sft": {"stall_at_step": 5}}
+# A frozen sshd answers no banner: each poke waits 3 s, and 10 s of that make the VM lost.
+UNREACHABLE_CONF = {"unreachable_timeout_seconds": 10, "ssh_connect_timeout_seconds": 3}
 
 
 MATRIX = [
@@ -149,11 +155,20 @@ MATRIX = [
         outcome="success",
     ),
     Fault(
-        "VM deleted mid-training, its recreation fails once: the sensor's retry recovers again",
+        # A recovery counts once its insert made the VM: the stockout's operation made none.
+        "VM deleted mid-training, its recreation fails once: the sensor's retry recovers, counted once",
         maxtext=HELD_AT_STEP_5,
         preempt_after="completed step: 4,",
         cloud_after_preempt={"insert_fails_after_accept": {"code": "ZONE_RESOURCE_POOL_EXHAUSTED", "count": 1}},
-        recoveries=2,
+        durable=True,
+        outcome="success",
+    ),
+    Fault(
+        # Another run took the freed machine: the recreation waits at the capacity gate.
+        "VM deleted mid-training, its recreation refused for capacity once: waits, then resumes, counted once",
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        cloud_after_preempt={"operation_errors": {"operation": "insert", "preset": "reservation_full", "count": 1}},
         durable=True,
         outcome="success",
     ),
@@ -175,6 +190,22 @@ MATRIX = [
         cause="already recreated its VM 1 time(s) (max_vm_recoveries=1)",
     ),
     Fault(
+        "VM unreachable mid-training (sshd frozen): lost after the bound, replaced, resumes",
+        conf=UNREACHABLE_CONF,
+        maxtext=HELD_AT_STEP_5,
+        freeze_sshd_after="completed step: 4,",
+        durable=True,
+        outcome="success",
+    ),
+    Fault(
+        "VM unreachable mid-training, checkpoints only on the VM",
+        conf=UNREACHABLE_CONF,
+        maxtext=HELD_AT_STEP_5,
+        freeze_sshd_after="completed step: 4,",
+        failed_task="wait_for_final_checkpoint",
+        cause="has answered no SSH for",
+    ),
+    Fault(
         # The fast image ships MaxText 0.2.2 only; installing another version needs the network
         # and root, which a local VM has neither of.
         "install fails",
@@ -194,28 +225,41 @@ MATRIX = [
 @pytest.mark.parametrize("fault", MATRIX, ids=[f.name for f in MATRIX])
 def test_fault(fault, run_pipeline, local_cloud):
     fault_tally.fault_injected()
-    preempter = None
+    # The thread that plays the cloud's part ends with this test, whatever happens: left running,
+    # it would preempt or freeze the next test's VM (it knows VMs by their training log alone).
+    test_over = threading.Event()
+    saboteur = None
     if fault.preempt_after:
-        preempter = threading.Thread(
+        saboteur = threading.Thread(
             target=preempt_when_logged,
-            args=(local_cloud, fault.preempt_after, fault.preemptions, fault.cloud_after_preempt),
+            args=(local_cloud, fault.preempt_after, fault.preemptions, fault.cloud_after_preempt, test_over),
             daemon=True,
         )
-        preempter.start()
+    elif fault.freeze_sshd_after:
+        saboteur = threading.Thread(
+            target=freeze_sshd_when_logged, args=(local_cloud, fault.freeze_sshd_after, test_over), daemon=True
+        )
     conf = {"steps": 12, **(DURABLE_CONF if fault.durable else {}), **fault.conf}
     if fault.durable:
         local_cloud.create_bucket("fault-matrix", exist_ok=True)
-    run = run_pipeline(conf, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
-    if preempter:
-        preempter.join(timeout=5)
-        assert not preempter.is_alive(), "the VM was not preempted as often as the case says"
+    try:
+        if saboteur:
+            saboteur.start()
+        run = run_pipeline(conf, maxtext_faults=fault.maxtext, cloud_faults=fault.cloud)
+        if saboteur:
+            saboteur.join(timeout=5)
+            assert not saboteur.is_alive(), "the VM was not preempted (or frozen and replaced) as the case says"
+    finally:
+        test_over.set()
+        if saboteur:
+            saboteur.join(timeout=30)
     leaked = local_cloud.vms()
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert run.state == fault.outcome, run.report()
     if fault.tries is not None:
         assert run.try_numbers["create_vm"] == fault.tries, run.try_numbers
-    if fault.preempt_after and fault.outcome == "success":
+    if (fault.preempt_after or fault.freeze_sshd_after) and fault.outcome == "success":
         assert_resumed_after_last_checkpoint(
             run, local_cloud, checkpoint=3, steps=conf["steps"], recoveries=fault.recoveries
         )
@@ -228,11 +272,15 @@ def test_fault(fault, run_pipeline, local_cloud):
 
 
 def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: int, recoveries: int) -> None:
-    """An insert per recovery, MaxText restored `checkpoint`, and trained only the steps after it."""
-    accepted = [
-        r for r in cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances") and r["status"] == 200
+    """A VM made per recovery (an insert whose operation made none is no recovery), MaxText
+    restored `checkpoint`, and trained only the steps after it."""
+    vm_name = run.xcoms["plan_run.spec"]["vm_name"]
+    made = [
+        op for op in compute_operations(cloud)
+        if op.get("operationType") == "insert" and op.get("targetLink", "").endswith(f"/instances/{vm_name}")
+        and op.get("status") == "DONE" and "error" not in op
     ]
-    assert len(accepted) == 1 + recoveries, accepted
+    assert len(made) == 1 + recoveries, made
     restored = run.log.index(f"Restored params from step: {checkpoint} ")
     trained_after = {int(step) for step in re.findall(r"completed step: (\d+),", run.log[restored:])}
     assert trained_after == set(range(checkpoint + 1, steps + 1))
@@ -241,22 +289,47 @@ def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: 
     assert run.xcoms["collect_outputs.return_value"]["vm_recoveries"] == recoveries
 
 
-def preempt_when_logged(cloud, text: str, times: int, cloud_faults: dict | None, timeout: float = 300) -> None:
+def training_logged(cloud, vm: dict, text: str) -> bool:
+    homes = cloud.state_dir / "vms" / vm["name"] / "home"
+    return any(text in log.read_text(errors="replace") for log in homes.glob("*/maxtext-sft-runs/*/train.log"))
+
+
+def freeze_sshd_when_logged(cloud, text: str, test_over: threading.Event, timeout: float = 300) -> None:
+    """Freeze the sshd of the VM whose training log shows `text` (the VM runs on, unreachable);
+    once the run has deleted that VM, lift the MaxText faults so the resumed training finishes
+    (lifted earlier, the frozen VM's own training would go on to its end)."""
+    deadline = time.monotonic() + timeout
+    frozen = None
+    while frozen is None and time.monotonic() < deadline and not test_over.is_set():
+        frozen = next((vm for vm in cloud.vms() if training_logged(cloud, vm, text)), None)
+        test_over.wait(0.2)  # polling interval; the VM's files are re-read each time
+    if frozen is None:
+        return
+    cloud.set_sshd_paused(frozen["name"], True)
+    while time.monotonic() < deadline and not test_over.is_set():
+        if not any(vm["name"] == frozen["name"] and vm["pid"] == frozen["pid"] for vm in cloud.vms()):
+            cloud.set_vm_file("maxtext-faults.json", "{}")
+            return
+        test_over.wait(0.2)  # polling interval; the VMs are listed again each time
+
+
+def preempt_when_logged(
+    cloud, text: str, times: int, cloud_faults: dict | None, test_over: threading.Event, timeout: float = 300
+) -> None:
     """Delete the run's VM the way the cloud does once its training log shows `text`, `times`
     times (each recreated VM anew), with `cloud_faults` set just before the last deletion (the
     recovery may insert as soon as the VM is gone); then lift the MaxText faults, so a resumed
     training finishes."""
     deadline = time.monotonic() + timeout
-    while times and time.monotonic() < deadline:
+    while times and time.monotonic() < deadline and not test_over.is_set():
         for vm in cloud.vms():
-            homes = cloud.state_dir / "vms" / vm["name"] / "home"
-            if any(text in log.read_text(errors="replace") for log in homes.glob("*/maxtext-sft-runs/*/train.log")):
+            if training_logged(cloud, vm, text):
                 if times == 1 and cloud_faults:
                     cloud.set_faults(cloud_faults)
                 cloud.terminate_vm(vm["name"], "DELETE")
                 times -= 1
                 break
-        time.sleep(0.2)  # polling interval; the VM's files are re-read each time
+        test_over.wait(0.2)  # polling interval; the VM's files are re-read each time
     if not times:
         cloud.set_vm_file("maxtext-faults.json", "{}")
 

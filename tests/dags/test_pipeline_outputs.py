@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import datetime, timezone
 
 import pytest
@@ -55,7 +56,11 @@ def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucke
     spec = run.xcoms["plan_run.spec"]
     run_prefix = f"sft/runs/{spec['run_name']}/"
     stored = names(bucket, run_prefix)
-    assert {"checkpoints/12/commit_success.txt", "checkpoints/1/commit_success.txt"} <= stored
+    # A checkpoint every 2 steps (a tenth of 12, rounded up), the newest two kept (checkpoints_kept).
+    committed = sorted(int(m.group(1)) for n in stored if (m := re.fullmatch(r"checkpoints/(\d+)/commit_success\.txt", n)))
+    assert committed == [10, 12], sorted(stored)
+    assert not any(n.startswith(("checkpoints/1/", "checkpoints/8/")) for n in stored)
+    assert "Deleted checkpoint step 8 " in run.log
     # Sharded, as MaxText exports Gemma 3 4B: the index and every shard it names.
     shards = [f"hf-export/model-0000{n}-of-00004.safetensors" for n in range(1, 5)]
     assert {"hf-export/config.json", "hf-export/model.safetensors.index.json", *shards, "hf-export/README.md",

@@ -11,7 +11,7 @@ import pytest
 
 from localcloud.connections import LOCAL_RUN_CONF
 from maxtext_sft.preflight import PreflightFailed, check_room
-from maxtext_sft.sizing import GB, MODEL_SHAPES, Gemma3Shape, RunSizes, run_sizes, saved_steps
+from maxtext_sft.sizing import GB, MODEL_SHAPES, Gemma3Shape, RunSizes, prunable_steps, run_sizes, saved_steps
 from tests.plugins.test_spec import make_spec as spec_of
 
 
@@ -47,6 +47,13 @@ def test_saved_steps_counts_the_first_every_period_and_the_last():
     assert saved_steps(1000, 100) == 11  # 1, 100, ..., 1000
     assert saved_steps(1000, 300) == 5  # 1, 300, 600, 900, 1000
     assert saved_steps(1, 10) == 1
+
+
+def test_pruning_keeps_the_newest_committed_steps():
+    assert prunable_steps([1, 100, 200, 300], 2) == [1, 100]
+    assert prunable_steps([1, 100], 2) == [] and prunable_steps([], 2) == []
+    assert prunable_steps([1, 100, 200], 1) == [1, 100]
+    assert prunable_steps([1, 100, 200], None) == []  # empty Param: keep all
 
 
 def test_the_tutorials_run_fits():

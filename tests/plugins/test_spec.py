@@ -85,6 +85,31 @@ def test_a_resumed_training_does_not_profile():
     assert spec.train_args(resuming=True)[-1] == "profiler=''"
 
 
+@pytest.mark.parametrize(
+    ("conf", "period"),
+    [
+        ({}, 10_000),  # checkpoints on the VM die with it: MaxText's default, step 1 and the last
+        ({"output_location": "gs://team/sft"}, 100),  # a tenth of the tutorial's 1000 steps
+        ({"output_location": "gs://team/sft", "steps": 12}, 2),  # rounded up
+        ({"output_location": "gs://team/sft", "steps": 5}, 1),
+        ({"output_location": "gs://team/sft", "steps": 100_000}, 1000),  # at least every 1000 steps
+        ({"output_location": "gs://team/sft", "checkpoint_period": 7}, 7),  # the user's wins
+    ],
+)
+def test_checkpoints_come_every_tenth_of_the_steps_when_storage_keeps_them(conf, period):
+    spec = make_spec(**conf)
+    assert spec.checkpoint_period == period
+    assert f"checkpoint_period={period}" in spec.train_args()
+    assert RunSpec.from_dict(spec.to_dict()).checkpoint_period == period  # resolved once, in plan_run
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_checkpoints_kept_is_a_positive_count_or_empty(value):
+    assert make_spec().checkpoints_kept == 2 and make_spec(checkpoints_kept=None).checkpoints_kept is None
+    with pytest.raises(SpecError, match="checkpoints_kept"):
+        make_spec(checkpoints_kept=value)
+
+
 @pytest.mark.parametrize("name, value", [("checkpoint_period", 0), ("max_vm_recoveries", 11), ("max_vm_recoveries", -1)])
 def test_recovery_params_are_bounded(name, value):
     with pytest.raises(SpecError, match=name):

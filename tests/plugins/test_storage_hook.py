@@ -36,6 +36,15 @@ def test_only_steps_with_the_commit_marker_count(hook):
     assert hook.committed_steps(uri) == [1, 10, 20]
 
 
+def test_delete_folder_removes_what_is_under_it_and_nothing_beside_it(hook):
+    prefix = "prune/checkpoints"
+    for name in ("3/model_params/a", "3/model_params/b", f"3/{ORBAX_COMMIT_MARKER}", "30/model_params/a"):
+        hook.upload(BUCKET, f"{prefix}/{name}", data="x")
+    assert hook.delete_folder(f"gs://{BUCKET}/{prefix}/3") == 3
+    assert hook.names_under(f"gs://{BUCKET}/{prefix}") == ["30/model_params/a"]  # 30 starts with 3, and stays
+    assert hook.delete_folder(f"gs://{BUCKET}/{prefix}/3") == 0
+
+
 def test_create_once_writes_an_object_only_if_it_does_not_exist(hook):
     """The recovery ledger's guard: of two writers of the same entry, exactly one wins."""
     folder = f"gs://{BUCKET}/ledger"

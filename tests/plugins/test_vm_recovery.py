@@ -9,6 +9,7 @@ import uuid
 from datetime import datetime, timezone
 
 import pytest
+from google.api_core.exceptions import NotFound
 
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk import PokeReturnValue
@@ -99,7 +100,7 @@ def test_a_training_seen_dead_on_a_vm_going_away_is_a_lost_vm_not_a_failed_train
     compute.insert_instance(body=spec.instance_body(), zone=spec.zone, project_id=spec.project_id)
     sensor = TrainingCheckpointSensor(task_id="wait_for_final_checkpoint", spec=spec.to_dict(), **CONNECTIONS)
     try:
-        assert sensor._lost_with_its_vm(spec) is False
+        assert sensor._lost_with_its_vm({}, spec) is False
 
         # A delete whose operation hangs holds the instance STOPPING with its VM up.
         local_cloud.set_faults({"operation_hangs": {"operation": "delete"}})
@@ -107,16 +108,24 @@ def test_a_training_seen_dead_on_a_vm_going_away_is_a_lost_vm_not_a_failed_train
             project=spec.project_id, zone=spec.zone, instance=spec.vm_name
         ).execute()
         assert compute.get_instance(**where).status == "STOPPING"
-        assert sensor._lost_with_its_vm(spec) is True
+        assert sensor._lost_with_its_vm({}, spec) is True
     finally:
         local_cloud.set_faults({})  # the delete goes on
 
     deadline = time.monotonic() + 60
-    while any(vm["name"] == spec.vm_name for vm in local_cloud.vms()):
+    while instance_exists(compute, where):  # the API's word: the VM's processes end before its record
         assert time.monotonic() < deadline, "the delete did not finish"
-        time.sleep(0.2)  # polling interval; the instances are listed again each time
+        time.sleep(0.2)  # polling interval; the instance is asked for again each time
     storage = StorageEndpointHook(gcp_conn_id=CONNECTIONS["gcp_conn_id"])
     for number in range(1, spec.max_vm_recoveries + 1):  # the run's recoveries used up
         assert storage.create_once(f"{spec.vm_recoveries_uri}/{number}.json", "{}")
     with pytest.raises(AirflowFailException, match=r"no longer exists.*has already recreated its VM 2 time"):
-        sensor._lost_with_its_vm(spec)
+        sensor._lost_with_its_vm({}, spec)
+
+
+def instance_exists(compute: ComputeEngineEndpointHook, where: dict) -> bool:
+    try:
+        compute.get_instance(**where)
+    except NotFound:
+        return False
+    return True

@@ -94,6 +94,16 @@ class StorageEndpointHook(GCSHook):
             self.download(bucket, f"{prefix}/{name}", filename=str(target))
         return names
 
+    def delete_folder(self, folder_uri: str) -> int:
+        """Delete every object under `folder_uri`; how many there were. One already gone is no
+        error. (The client's own delete, not GCSHook.delete: that logs, and records as lineage,
+        every object of a checkpoint.)"""
+        bucket_name, prefix = split_gcs_uri(folder_uri)
+        client = self.get_conn()
+        blobs = list(client.list_blobs(bucket_name, prefix=f"{prefix}/"))
+        client.bucket(bucket_name).delete_blobs(blobs, on_error=lambda blob: None)
+        return len(blobs)
+
     def read_text(self, uri: str) -> str:
         bucket, name = split_gcs_uri(uri)
         return self.download(bucket, name).decode("utf-8")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
+from typing import Any
 
 from google.api_core.exceptions import NotFound
 
@@ -13,6 +15,7 @@ from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.run_task import RunTaskOperator
+from maxtext_sft.sizing import prunable_steps
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import HostKeysNotPublished, SshLoginProbe, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.vm_recovery import VmRecovery
@@ -45,8 +48,10 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     is taken from storage: the final step's Orbax commit marker, which is written after every
     other file of the step. It runs in reschedule mode, so no worker slot is held in between. A
     training process that ended without its final checkpoint fails the sensor at once, with the
-    log's tail. A VM lost mid-training is recreated and the training resumed from the latest
-    durable checkpoint, a bounded number of times (`VmRecovery`).
+    log's tail. A VM lost mid-training (gone, or answering no SSH for unreachable_timeout_seconds)
+    is recreated and the training resumed from the latest durable checkpoint, a bounded number
+    of times, once its reservation has a machine free (`VmRecovery`). With an output location
+    each poke also deletes the committed checkpoints older than the newest `checkpoints_kept`.
     """
 
     def __init__(self, *, ssh_conn_id: str, hf_conn_id: str, **kwargs):
@@ -58,8 +63,21 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log
         )
 
-    def _recover_gone_vm(self, spec: RunSpec) -> None:
-        self._recovery(spec).recover(f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+    def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
+        """Recover the lost VM, or wait (the next poke tries again) while there is no machine for
+        it, at most max_capacity_wait_minutes from the first poke that found none."""
+        if self._recovery(spec).recover(reason, replace=replace):
+            self._stop_clock(context, "capacity_wait_since")
+            return
+        waited = time.time() - self._clock_start(context, "capacity_wait_since")
+        if waited >= spec.max_capacity_wait_minutes * 60:
+            raise AirflowFailException(
+                f"{reason}; no machine was free to recreate it for {waited / 60:.0f} minutes "
+                f"(max_capacity_wait_minutes={spec.max_capacity_wait_minutes}, reservation {spec.reservation})"
+            )
+
+    def _recover_gone_vm(self, context, spec: RunSpec) -> None:
+        self._recover(context, spec, f"VM {spec.vm_name} no longer exists: {VM_GONE}")
 
     def execute(self, context):
         spec = self.run_spec
@@ -80,15 +98,18 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
                     on_line=output.append,
                 )
         except NotFound:
-            self._recover_gone_vm(spec)
+            self._recover_gone_vm(context, spec)
             return False
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
+            self._unreachable(context, spec, error)
             return False
+        self._stop_clock(context, "unreachable_since")
         if status != 0 or not output or not STATUS_LINE.match(output[-1]):
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
         fields = dict(item.split("=", 1) for item in STATUS_LINE.match(output[-1]).group(1).split())
+        self._prune_checkpoints(spec)
         for line in output[:-1]:
             self.log.info("%s", line)
             if progress := STEP_LINE.search(line):
@@ -96,7 +117,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         state = fields.get("state")
         if fields.get("reason") == "no-training-started":
             recovery = self._recovery(spec)
-            if recovery.count():
+            if recovery.record_unrecorded() or recovery.count():
                 # A recovery was cut short (this task was killed or retried) before training restarted.
                 recovery.resume()
                 return False
@@ -124,7 +145,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
                 state = "succeeded"
             else:
                 self.log.warning("Training exited 0 but %s does not exist", marker)
-        if state != "succeeded" and self._lost_with_its_vm(spec):
+        if state != "succeeded" and self._lost_with_its_vm(context, spec):
             return False
         if state == "succeeded":
             result = {
@@ -152,7 +173,61 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
         )
 
-    def _lost_with_its_vm(self, spec: RunSpec) -> bool:
+    def _clock(self, context, name: str) -> tuple[Any, str]:
+        """(store, key) of the clock `name`: the task state store, which outlives reschedules and
+        retries (a key per generation of the run), or this object when the poke runs outside a
+        task run (no store)."""
+        store = context.get("task_state_store")
+        if store is None:
+            store = self.__dict__.setdefault("_local_clocks", _LocalStore())
+        generation = getattr(context.get("dag_run"), "clear_number", 0) or 0
+        return store, f"{name}_g{generation}"
+
+    def _clock_start(self, context, name: str) -> float:
+        """When clock `name` started; it starts now if it was not running."""
+        store, key = self._clock(context, name)
+        since = store.get(key)
+        if since is None:
+            since = time.time()
+            store.set(key, since)
+        return since
+
+    def _stop_clock(self, context, name: str) -> None:
+        store, key = self._clock(context, name)
+        if store.get(key) is not None:
+            store.delete(key)
+
+    def _unreachable(self, context, spec: RunSpec, error: BaseException) -> None:
+        """Bound how long an unanswering VM is polled: the stall check runs on the VM, so it cannot
+        fire there. Past unreachable_timeout_seconds the VM counts as lost: it is replaced and its
+        training resumed, or the run fails (and delete_vm deletes it)."""
+        waited = time.time() - self._clock_start(context, "unreachable_since")
+        if waited < spec.unreachable_timeout_seconds:
+            return
+        reason = (
+            f"VM {spec.vm_name} has answered no SSH for {waited:.0f} s "
+            f"(unreachable_timeout_seconds={spec.unreachable_timeout_seconds}; last error: {error})"
+        )
+        self._stop_clock(context, "unreachable_since")
+        self._recover(context, spec, reason, replace=True)
+
+    def _prune_checkpoints(self, spec: RunSpec) -> None:
+        """Keep the newest `checkpoints_kept` committed checkpoints in storage, deleting older ones
+        (MaxText 0.2.2's train_sft keeps every one: sizing.prunable_steps). A storage error only
+        postpones it to the next poke."""
+        if not spec.durable or spec.checkpoints_kept is None:
+            return
+        try:
+            storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+            for step in prunable_steps(storage.committed_steps(spec.checkpoints_dir), spec.checkpoints_kept):
+                deleted = storage.delete_folder(f"{spec.checkpoints_dir}/{step}")
+                self.log.info(
+                    "Deleted checkpoint step %s (%s objects): checkpoints_kept=%s", step, deleted, spec.checkpoints_kept
+                )
+        except Exception as error:  # noqa: BLE001 - housekeeping: the training is what this task watches
+            self.log.warning("Could not prune old checkpoints in %s this time: %s", spec.checkpoints_dir, error)
+
+    def _lost_with_its_vm(self, context, spec: RunSpec) -> bool:
         """Whether a training seen ended died with its VM rather than on its own: the instance is
         gone (recovered now) or no longer RUNNING. A preempted or stopped VM is STOPPING while
         its guest shuts down (the workload may be killed before sshd), then gone or TERMINATED
@@ -162,7 +237,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         try:
             status = hook.get_instance(resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id).status
         except NotFound:
-            self._recover_gone_vm(spec)
+            self._recover_gone_vm(context, spec)
             return True
         if status == "RUNNING":
             return False
@@ -171,6 +246,16 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             "a lost VM, not a failed training; looking again at the next poke", spec.vm_name, status,
         )
         return True
+
+
+class _LocalStore(dict):
+    """The task state store's get/set/delete, in memory."""
+
+    def set(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def delete(self, key: str) -> None:
+        self.pop(key, None)
 
 
 def _tail_start(output: list[str]) -> int:
