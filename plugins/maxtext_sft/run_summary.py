@@ -109,6 +109,30 @@ def vm_usage(
     return usage
 
 
+def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per recovery of the run's ledger (vm_recovery: N.json, and N-resumed.json once its
+    training resumed): when and why, the steps lost (trained on the lost VM after the checkpoint
+    the new one resumed from), and the VM-minutes from the new VM's insert to the resumed training."""
+    rows = []
+    for name, entry in sorted(ledger.items()):
+        if not name.removesuffix(".json").isdigit():
+            continue
+        number = entry.get("recovery")
+        resumed = ledger.get(f"{number}-resumed.json") or {}
+        lost, kept = entry.get("lost_after_step"), entry.get("resumes_after_step") or 0
+        at, resumed_at = entry.get("at"), resumed.get("resumed_at")
+        rows.append({
+            "recovery": number,
+            "at": datetime.fromtimestamp(at, timezone.utc).isoformat() if at else None,
+            "reason": entry.get("reason"),
+            "resumes_after_step": entry.get("resumes_after_step"),
+            "steps_lost": max(0, lost - kept) if lost is not None else None,
+            "vm_minutes_to_resume": round((resumed_at - at) / 60, 2) if at and resumed_at else None,
+            "step_seconds": resumed.get("step_seconds"),
+        })
+    return sorted(rows, key=lambda row: row["recovery"] or 0)
+
+
 def build_summary(
     *,
     dag_id: str,
@@ -123,6 +147,7 @@ def build_summary(
     hourly_price_usd: float | None,
     now: datetime,
     tasks: SummaryTasks,
+    recoveries: Sequence[Mapping[str, Any]] = (),
     instance_created_at: str | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
@@ -169,6 +194,7 @@ def build_summary(
         "final_loss": (training or {}).get("final_loss"),
         "outputs": outputs,
         "published": dict(published) if published else None,
+        "recoveries": [dict(row) for row in recoveries],
         "tasks": asdict(tasks),
         "warnings": warnings,
         "summarized_at": now.isoformat(),
@@ -227,6 +253,13 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
             f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}"
+        )
+    for row in summary.get("recoveries") or ():
+        lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"
+        minutes = "" if row["vm_minutes_to_resume"] is None else f", {row['vm_minutes_to_resume']:.1f} VM-minutes to resume"
+        lines.append(
+            f"Recovery {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
+            f"{row['resumes_after_step']}, {lost}{minutes}; {row['reason']}"
         )
     if summary["final_step"] is None:
         lines.append("Training: no final step or loss (the training did not finish)")

@@ -10,7 +10,7 @@ from typing import Any
 from airflow.sdk import TaskGroup, task
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.outputs import RUN_SUMMARY_NAME
-from maxtext_sft.run_summary import PHASE_KEY, SummaryTasks, build_summary, render_text
+from maxtext_sft.run_summary import PHASE_KEY, SummaryTasks, build_summary, recovery_rows, render_text
 from maxtext_sft.spec import RunSpec
 
 
@@ -31,7 +31,20 @@ def phase_order(dag, before: str) -> list[str]:
     return [node.task_id for node in _tasks_in_order(dag.task_group) if node.task_id not in later]
 
 
-def gather_summary(context, spec: dict | None, tasks: SummaryTasks) -> dict[str, Any]:
+def recovery_ledger(spec: dict | None, gcp_conn_id: str) -> dict[str, dict]:
+    """The run's recovery ledger ({object name: its JSON}), empty without an output location."""
+    run = RunSpec.from_dict(spec) if spec else None
+    if run is None or not run.vm_recoveries_uri:
+        return {}
+    storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
+    return {
+        name: json.loads(storage.read_text(f"{run.vm_recoveries_uri}/{name}"))
+        for name in storage.names_under(run.vm_recoveries_uri)
+        if name.endswith(".json")
+    }
+
+
+def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id: str) -> dict[str, Any]:
     """The summary of this DAG run, from the task states and the XComs of every task before this
     one; `spec` is plan_run's (None when it failed)."""
     ti, dag_run = context["ti"], context["dag_run"]
@@ -51,6 +64,7 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks) -> dict[str,
         hourly_price_usd=spec.get("vm_hourly_price_usd") if spec else None,
         now=datetime.now(timezone.utc),
         tasks=tasks,
+        recoveries=recovery_rows(recovery_ledger(spec, gcp_conn_id)),
         # When the VM came to be (after any wait for capacity): the instance create_vm returned.
         instance_created_at=(ti.xcom_pull(task_ids=tasks.create_vm) or {}).get("creation_timestamp"),
     )
@@ -69,7 +83,7 @@ def summarize_run(tasks: dict[str, str], gcp_conn_id: str = "google_cloud_defaul
     try:
         parts = SummaryTasks(**tasks)
         spec = context["ti"].xcom_pull(task_ids=parts.plan, key="spec")
-        summary = gather_summary(context, spec, parts)
+        summary = gather_summary(context, spec, parts, gcp_conn_id)
     except Exception:
         log.warning("Could not gather the run summary", exc_info=True)
         return None

@@ -21,6 +21,7 @@ there is nothing to resume from, and the run fails saying so.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -30,13 +31,15 @@ from google.api_core.exceptions import NotFound
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.storage import StorageEndpointHook
+from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.vm_access import SshLoginProbe, run_vm_step
 from maxtext_sft.spec import RunSpec
 
 # Label of a recreated VM: which recovery made it (the ledger entry is written after its insert).
 RECOVERY_LABEL = "maxtext-sft-recovery"
+# The ledger: N.json per recovery (create-once, counted), N-resumed.json once its training resumed.
+LEDGER_ENTRY = re.compile(r"[0-9]+\.json")
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM
 SSH_CHECK_INTERVAL_SECONDS = 5
 
@@ -52,13 +55,14 @@ class VmRecovery:
         if not self.spec.durable:
             return 0
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
-        return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if name.endswith(".json"))
+        return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if LEDGER_ENTRY.fullmatch(name))
 
-    def recover(self, reason: str, *, replace: bool = False) -> bool:
+    def recover(self, reason: str, *, replace: bool = False, lost_after_step: int | None = None) -> bool:
         """Recreate the VM and resume training on it (True), or, while the reservation has no
         machine free, nothing: False, and the next poke tries again (the sensor bounds the wait).
         Fails the task saying why when it cannot recover. `replace`: the VM still exists but is
-        useless (it stopped answering): it is deleted first."""
+        useless (it stopped answering): it is deleted first. `lost_after_step`: the last step the
+        sensor saw trained on the lost VM, for the record."""
         spec = self.spec
         if not spec.durable:
             raise AirflowFailException(
@@ -76,11 +80,11 @@ class VmRecovery:
         number = made + 1
         if not self._machine_free(reason) or not self._create_vm(number, reason):
             return False
-        self._record(number, reason)
-        self.resume()
+        self._record(number, reason, lost_after_step)
+        self.resume(number)
         return True
 
-    def _record(self, number: int, reason: str) -> None:
+    def _record(self, number: int, reason: str, lost_after_step: int | None = None) -> None:
         """Count recovery `number` in the ledger, once its insert was accepted."""
         spec = self.spec
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
@@ -89,6 +93,7 @@ class VmRecovery:
             "recovery": number,
             "reason": reason,
             "resumes_after_step": committed[-1] if committed else None,
+            "lost_after_step": lost_after_step,
             "at": int(time.time()),
         }
         if not storage.create_once(f"{spec.vm_recoveries_uri}/{number}.json", json.dumps(entry)):
@@ -113,14 +118,32 @@ class VmRecovery:
             return False
         self._record(int(number), "the VM was recreated by a try that did not record it")
         return True
-    def resume(self) -> None:
-        """Bring the (recreated) VM to where start_training left the first one, resuming training."""
-        self._wait_for_ssh()
+    def resume(self, number: int | None = None) -> None:
+        """Bring the (recreated) VM to where start_training left the first one, resuming training;
+        each step's time goes to the log and, beside recovery `number`'s entry (default: the
+        latest), to `N-resumed.json`."""
+        seconds: dict[str, float] = {}
+
+        def timed(step: str, run: Any) -> Any:
+            started = time.monotonic()
+            result = run()
+            seconds[step] = round(time.monotonic() - started, 1)
+            self.log.info("Recovery of %s: %s took %.1f s", self.spec.vm_name, step, seconds[step])
+            return result
+
         on_vm = {"spec": self.spec, "log": self.log, **self.connections}
-        run_vm_step("install", results={}, **on_vm)
-        converted = run_vm_step("convert", results={}, **on_vm) or {}  # found in the shared cache
-        run_vm_step("start_training", results={**converted, "resuming": "yes"}, **on_vm)
+        timed("wait_for_ssh", self._wait_for_ssh)
+        timed("install", lambda: run_vm_step("install", results={}, **on_vm))
+        converted = timed("convert", lambda: run_vm_step("convert", results={}, **on_vm)) or {}  # the shared cache
+        timed("start_training", lambda: run_vm_step("start_training", results={**converted, "resuming": "yes"}, **on_vm))
         self.log.info("Training %s resumed on the recreated VM %s", self.spec.run_name, self.spec.vm_name)
+        number = number or self.count()
+        if number:
+            StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"]).upload(
+                *split_gcs_uri(f"{self.spec.vm_recoveries_uri}/{number}-resumed.json"),
+                data=json.dumps({"recovery": number, "resumed_at": int(time.time()), "step_seconds": seconds}),
+                mime_type="application/json",
+            )
 
     def _delete_vm(self) -> None:
         spec = self.spec

@@ -287,6 +287,14 @@ def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: 
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == steps
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["vm_recoveries"] == recoveries
     assert run.xcoms["collect_outputs.return_value"]["vm_recoveries"] == recoveries
+    # The run summary lists each: resumed after the checkpoint of step 3; the VM held at step 5 had
+    # trained 4 steps, so a poke saw at most one step lost (none, when the cloud was quicker than
+    # the first poke: then the summary says "unknown").
+    rows = run.xcoms["summarize_run.return_value"]["recoveries"]
+    assert [row["recovery"] for row in rows] == list(range(1, recoveries + 1)), rows
+    assert all(row["resumes_after_step"] == checkpoint and row["steps_lost"] in (None, 0, 1) for row in rows), rows
+    assert all(row["vm_minutes_to_resume"] > 0 and set(row["step_seconds"]) == {
+        "wait_for_ssh", "install", "convert", "start_training"} for row in rows), rows
 
 
 def training_logged(cloud, vm: dict, text: str) -> bool:

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from maxtext_sft.run_summary import SummaryTasks, build_summary, format_duration, render_text, vm_usage
+from maxtext_sft.run_summary import SummaryTasks, build_summary, format_duration, recovery_rows, render_text, vm_usage
 
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
 NOW = T0 + timedelta(hours=3)
@@ -172,3 +172,35 @@ def test_the_vm_is_counted_from_its_creation_not_from_a_create_that_waited_for_c
                      hourly_price_usd=20.0, now=NOW, instance_created_at=at(45))
     assert usage["started"] == at(45) and usage["lifetime_seconds"] == 60 * 60
     assert usage["estimated_cost_usd"] == 20.0
+
+
+def test_each_recovery_is_listed_with_when_why_steps_lost_and_vm_minutes():
+    at = int(T0.timestamp())
+    ledger = {
+        "1.json": {"recovery": 1, "reason": "VM x no longer exists", "resumes_after_step": 300,
+                   "lost_after_step": 342, "at": at},
+        "1-resumed.json": {"recovery": 1, "resumed_at": at + 750, "step_seconds": {"install": 400.0}},
+        "2.json": {"recovery": 2, "reason": "VM x has answered no SSH for 600 s", "resumes_after_step": None,
+                   "lost_after_step": None, "at": at + 3600},  # its training has not resumed yet
+        "notes.txt.json": {"recovery": 9},  # not a ledger entry
+    }
+    rows = recovery_rows(ledger)
+    assert [row["recovery"] for row in rows] == [1, 2]
+    assert rows[0] == {"recovery": 1, "at": at_iso(0), "reason": "VM x no longer exists", "resumes_after_step": 300,
+                       "steps_lost": 42, "vm_minutes_to_resume": 12.5, "step_seconds": {"install": 400.0}}
+    assert rows[1]["steps_lost"] is None and rows[1]["vm_minutes_to_resume"] is None
+
+    result = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=20.0,
+        now=NOW, tasks=TASKS, recoveries=rows,
+    )
+    assert result["recoveries"] == rows
+    text = render_text(result)
+    assert "Recovery 1 at 2026-11-30 10:00:00: resumed after step 300, 42 steps lost, 12.5 VM-minutes to resume; " \
+           "VM x no longer exists" in text
+    assert "Recovery 2 at 2026-11-30 11:00:00: resumed after step None, steps lost unknown;" in text
+
+
+def at_iso(minutes: float) -> str:
+    return datetime.fromtimestamp((T0 + timedelta(minutes=minutes)).timestamp(), timezone.utc).isoformat()

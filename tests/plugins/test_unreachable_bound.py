@@ -41,6 +41,7 @@ def clock(monkeypatch):
 
 class Recoveries(list):
     machine_free = True  # what recover() finds: a machine for the new VM, or none (it waits)
+    lost_after_step = None  # what the last recover() was told
 
 
 @pytest.fixture
@@ -51,8 +52,9 @@ def recoveries(monkeypatch):
         def __init__(self, spec, **_):
             pass
 
-        def recover(self, reason, *, replace=False):
+        def recover(self, reason, *, replace=False, lost_after_step=None):
             made.append((reason, replace))
+            made.lost_after_step = lost_after_step
             return made.machine_free
 
     monkeypatch.setattr(sensors, "VmRecovery", Recovery)
@@ -71,10 +73,11 @@ def fresh_sensor(spec):
 def test_the_vm_is_replaced_once_unreachable_past_the_bound_across_reschedules(clock, recoveries):
     spec = make_spec(output_location="gs://team/sft", unreachable_timeout_seconds=600)
     store = StateStore()
+    fresh_sensor(spec)._note_last_step(poke_context(store), 342)  # a poke that reached the VM saw step 342
     for waited in (0, 300, 599):
         clock.now = 1_000 + waited
         fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("timed out"))
-    assert recoveries == [] and store == {"unreachable_since_g0": 1_000}
+    assert recoveries == [] and store == {"unreachable_since_g0": 1_000, "last_step_g0": 342}
 
     clock.now = 1_600
     fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("timed out"))
@@ -83,7 +86,8 @@ def test_the_vm_is_replaced_once_unreachable_past_the_bound_across_reschedules(c
     assert replace is True
     assert f"VM {spec.vm_name} has answered no SSH for 600 s (unreachable_timeout_seconds=600" in reason
     assert "timed out" in reason
-    assert store == {}  # the replacement starts a new clock
+    assert recoveries.lost_after_step == 342  # for the recovery's record: the steps it loses
+    assert store == {"last_step_g0": 342}  # the replacement starts a new clock
 
 
 def test_a_poke_that_reaches_the_vm_starts_the_clock_again(clock, recoveries):

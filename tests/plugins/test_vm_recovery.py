@@ -73,7 +73,7 @@ def test_a_retry_finishes_a_recovery_that_was_cut_short(spec, compute, local_clo
 
     assert result["final_step"] == 6
     assert result["vm_recoveries"] == 1
-    assert storage.names_under(spec.vm_recoveries_uri) == ["1.json"]
+    assert storage.names_under(spec.vm_recoveries_uri) == ["1-resumed.json", "1.json"]  # no new recovery
     assert storage.committed_steps(spec.checkpoints_dir)[-1] == 6
     inserts = [r for r in local_cloud.requests() if r["method"] == "POST" and r["path"].endswith("/instances")]
     assert len(inserts) == 1  # the test's own: the sensor recreated nothing

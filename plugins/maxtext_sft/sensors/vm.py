@@ -66,7 +66,8 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
         """Recover the lost VM, or wait (the next poke tries again) while there is no machine for
         it, at most max_capacity_wait_minutes from the first poke that found none."""
-        if self._recovery(spec).recover(reason, replace=replace):
+        store, key = self._state(context, "last_step")
+        if self._recovery(spec).recover(reason, replace=replace, lost_after_step=store.get(key)):
             self._stop_clock(context, "capacity_wait_since")
             return
         waited = time.time() - self._clock_start(context, "capacity_wait_since")
@@ -109,6 +110,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
         fields = dict(item.split("=", 1) for item in STATUS_LINE.match(output[-1]).group(1).split())
+        self._note_last_step(context, _number(fields.get("last_step")))
         self._prune_checkpoints(spec)
         for line in output[:-1]:
             self.log.info("%s", line)
@@ -173,10 +175,10 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
         )
 
-    def _clock(self, context, name: str) -> tuple[Any, str]:
-        """(store, key) of the clock `name`: the task state store, which outlives reschedules and
-        retries (a key per generation of the run), or this object when the poke runs outside a
-        task run (no store)."""
+    def _state(self, context, name: str) -> tuple[Any, str]:
+        """(store, key) of what the sensor keeps across pokes under `name` (a clock's start, the
+        last step seen): the task state store, which outlives reschedules and retries (a key per
+        generation of the run), or this object when the poke runs outside a task run (no store)."""
         store = context.get("task_state_store")
         if store is None:
             store = self.__dict__.setdefault("_local_clocks", _LocalStore())
@@ -185,7 +187,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
 
     def _clock_start(self, context, name: str) -> float:
         """When clock `name` started; it starts now if it was not running."""
-        store, key = self._clock(context, name)
+        store, key = self._state(context, name)
         since = store.get(key)
         if since is None:
             since = time.time()
@@ -193,9 +195,15 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         return since
 
     def _stop_clock(self, context, name: str) -> None:
-        store, key = self._clock(context, name)
+        store, key = self._state(context, name)
         if store.get(key) is not None:
             store.delete(key)
+
+    def _note_last_step(self, context, step: float | int | None) -> None:
+        """Keep the last training step seen: a recovery's record says how many steps it lost."""
+        store, key = self._state(context, "last_step")
+        if step is not None and store.get(key) != step:
+            store.set(key, step)
 
     def _unreachable(self, context, spec: RunSpec, error: BaseException) -> None:
         """Bound how long an unanswering VM is polled: the stall check runs on the VM, so it cannot
