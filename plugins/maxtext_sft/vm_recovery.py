@@ -118,6 +118,7 @@ class VmRecovery:
             return False
         self._record(int(number), "the VM was recreated by a try that did not record it")
         return True
+
     def resume(self, number: int | None = None) -> None:
         """Bring the (recreated) VM to where start_training left the first one, resuming training;
         each step's time goes to the log and, beside recovery `number`'s entry (default: the
