@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import conf
-from maxtext_sft.operators.compute import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
+from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
 
 GCP_CONN_ID = "google_cloud_default"  # Compute API (extra compute_api_endpoint for a private endpoint)
 SSH_CONN_ID = "maxtext_sft_vm_ssh"  # login = VM user, extra private_key = the key put on each VM

@@ -100,7 +100,9 @@ def _add_fine_tune_tasks() -> None:
 
     checked = preflight(run["spec"])
     vm_connections = {"gcp_conn_id": GCP_CONN_ID, "ssh_conn_id": SSH_CONN_ID}
-    step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID}
+    # The steps on the VM make it again when it is gone (a cleared task, a VM lost between two
+    # tasks), behind the capacity gate as create_vm.
+    step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID, **capacity_reads()}
 
     # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
     # run even when the create fails after the API accepted it, or a user marks the run failed.

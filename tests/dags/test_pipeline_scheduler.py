@@ -222,6 +222,74 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
     assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
+@pytest.mark.airflow_config(
+    {"AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "5", "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2"}
+)
+def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_worker_slot(airflow, local_cloud):
+    """The VM is deleted mid-training (durable checkpoints) and another run takes the freed
+    machine. The training sensor finds the VM gone and the reservation full: it defers to the
+    capacity trigger (the scheduler's task state says deferred) until the machine comes back, then
+    recreates the VM and resumes. bench/recovery_slots.py measures, from Airflow's event log and
+    the run's ledger, the worker-slot-seconds held while it waited: none."""
+    from bench.recovery_slots import AirflowApi, measure, report
+    from localcloud.connections import LOCAL_PROJECT, LOCAL_RESERVATION_COUNT, LOCAL_RUN_CONF, LOCAL_ZONE
+    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.spec import RunSpec
+    from tests.dags.test_fault_matrix import training_logged
+
+    fault_tally.fault_injected()
+    reservation = LOCAL_RUN_CONF["reservation"]
+    bucket = "scheduler-recovery"
+    local_cloud.create_bucket(bucket, exist_ok=True)
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    blocker = None
+    local_cloud.add_reservation(reservation, 1, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 5}}))
+    try:
+        run_id = airflow.trigger({
+            **LOCAL_RUN_CONF, "steps": 8, "checkpoint_period": 2, "poke_interval_seconds": 2,
+            "output_location": f"gs://{bucket}/{time.time_ns()}",
+        })
+        spec = RunSpec.from_dict(wait_until(lambda: airflow.xcom(run_id, "plan_run", "spec"), 120, "the run's spec"))
+        wait_until(lambda: any(training_logged(local_cloud, vm, "completed step: 4,") for vm in local_cloud.vms()),
+                   300, "step 4 of the training")
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")  # the resumed training runs to its end
+        local_cloud.terminate_vm(spec.vm_name, "DELETE")
+        blocker = f"{spec.vm_name}-other"  # another run takes the machine
+        compute.insert_instance(body={**spec.instance_body(), "name": blocker}, zone=spec.zone, project_id=spec.project_id)
+
+        wait_until(lambda: airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred", 120,
+                   "the training sensor to defer")
+        reads = lambda: sum(1 for r in local_cloud.requests() if r["method"] == "GET" and f"/reservations/{reservation}" in r["path"])  # noqa: E731
+        seen = reads()
+        wait_until(lambda: reads() >= seen + 3, 60, "the triggerer to read the full reservation three times")
+        assert airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred"
+        compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
+        wait_until(lambda: all(vm["name"] != blocker for vm in local_cloud.vms()), 60, "the other run's VM to go")
+        blocker = None
+
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+        if blocker:
+            compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
+        local_cloud.add_reservation(
+            reservation, LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT
+        )
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    leaked = [vm for vm in local_cloud.vms() if vm["name"].startswith(spec.vm_name)]
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["vm_recoveries"] == 1
+
+    rows = measure(AirflowApi(airflow.url, airflow.token), "maxtext_sft", run_id, "google_cloud_default")
+    print(report(rows))
+    [row] = rows
+    assert row["capacity_wait_seconds"] > 5  # three reads of the full reservation, at least
+    assert row["capacity_stretches_inside"] == 0 and row["capacity_slot_seconds_inside"] == 0, row
+
+
 # The tests below act on runs through the REST API and leave Airflow's components alone: they
 # share one Airflow (shared_airflow), started for them and kept to the end of this module.
 
@@ -286,3 +354,46 @@ def test_a_sensor_marked_skipped_mid_training_deletes_the_vm_and_fails_naming_it
     states = assert_failed_with_vm_deleted(airflow, local_cloud, run_id, final, "wait_for_final_checkpoint=skipped")
     skipped = ("wait_for_final_checkpoint", "export_to_hf", "collect_outputs", "publish_to_hub")
     assert {states[t] for t in skipped} == {"skipped"}
+
+
+def _instances_made(local_cloud, vm_name: str) -> int:
+    return sum(
+        1 for r in local_cloud.requests()
+        if r["method"] == "POST" and r["path"].endswith("/instances") and r["status"] == 200
+        and vm_name in json.dumps(r.get("body") or "")
+    )
+
+
+@pytest.mark.parametrize("downstream", [False, True], ids=["alone", "with the tasks after it"])
+def test_clearing_convert_checkpoint_after_the_run_makes_a_new_vm_and_succeeds(shared_airflow, local_cloud, downstream):
+    """The run finished and deleted its VM; a user clears convert_checkpoint (after fixing a
+    conversion flag, say). Airflow clears its setup and teardown with it (vm_lease, delete_vm),
+    not create_vm: the cleared task makes the VM again, installs MaxText on it and converts; with
+    the tasks after it cleared too, the training and export run again on that VM. The run ends
+    success again, and the VM is deleted again."""
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    airflow = shared_airflow
+    run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 4})
+    assert wait_for_run_end(airflow, run_id, timeout=300)["state"] == "success", airflow.task_states(run_id)
+    assert local_cloud.vms() == []
+    vm_name = airflow.xcom(run_id, "plan_run", "spec")["vm_name"]
+    local_cloud.clear_requests()
+
+    airflow.request("POST", "/api/v2/dags/maxtext_sft/clearTaskInstances", {
+        "dry_run": False, "dag_run_id": run_id, "task_ids": ["convert_checkpoint"], "only_failed": False,
+        "reset_dag_runs": True, "include_downstream": downstream,
+    })
+    final = wait_for_run_end(airflow, run_id, timeout=300)
+
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    leaked = local_cloud.vms()
+    assert leaked == []
+    assert _instances_made(local_cloud, vm_name) == 1  # by convert_checkpoint: create_vm was not cleared
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE" and r["status"] == 200]
+    assert len(deletes) == 1  # delete_vm ran again
+    log = json.dumps(airflow.task_log(run_id, "convert_checkpoint", try_number=2))
+    assert "Made VM" in log and "On the new VM: install took" in log
+    if downstream:
+        assert "Started training" in json.dumps(airflow.task_log(run_id, "start_training", try_number=2))

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "hooks.vm_ssh_common",
     }),
     ("the VM and the cloud", {
-        "instances", "vm_steps", "vm_access", "vm_recovery", "export_files", "triggers.capacity", "run_task",
+        "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
     }),
     ("tasks", {
         "operators.compute", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",

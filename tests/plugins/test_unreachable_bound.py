@@ -1,13 +1,14 @@
 """The training sensor's clocks, kept in the task state store across reschedules: how long the VM
 has not answered (past unreachable_timeout_seconds it is replaced; any poke that reaches it
-starts the clock again), and how long a recovery has waited for a machine (past
-max_capacity_wait_minutes the run fails)."""
+starts the clock again; a recreated VM has its boot's bound instead; a stopped one is lost at
+once), and how long a recovery has waited for a machine (deferred to the capacity trigger, up to
+max_capacity_wait_minutes; then the run fails)."""
 
 from __future__ import annotations
 
 import pytest
 
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from maxtext_sft.sensors import vm as sensors
 from maxtext_sft.sensors.vm import TrainingCheckpointSensor
@@ -42,22 +43,48 @@ def clock(monkeypatch):
 class Recoveries(list):
     machine_free = True  # what recover() finds: a machine for the new VM, or none (it waits)
     lost_after_step = None  # what the last recover() was told
+    vm_status = "RUNNING"  # what the Compute API says of the unanswering VM
+    final_step_committed = False  # whether storage holds the final checkpoint
 
 
 @pytest.fixture
 def recoveries(monkeypatch):
     made = Recoveries()
 
+    class Remake:
+        def __init__(self, spec, **_):
+            self.spec = spec
+
+        def status(self):
+            return made.vm_status
+
+        def capacity_wait_trigger(self, deadline, **_):
+            return ("capacity trigger", deadline) if self.spec.reservation else None
+
     class Recovery:
         def __init__(self, spec, **_):
-            pass
+            self.remake = Remake(spec)
 
-        def recover(self, reason, *, replace=False, lost_after_step=None):
+        def recover(self, reason, *, replace=False, lost_after_step=None, waited_since=None):
             made.append((reason, replace))
             made.lost_after_step = lost_after_step
             return made.machine_free
 
+        def count(self):
+            return len(made)
+
+    class Storage:
+        def __init__(self, **_):
+            pass
+
+        def uri_exists(self, uri):
+            return made.final_step_committed
+
     monkeypatch.setattr(sensors, "VmRecovery", Recovery)
+    monkeypatch.setattr(sensors, "VmRemake", Remake)
+    monkeypatch.setattr(sensors, "StorageEndpointHook", Storage)
+    monkeypatch.setattr(TrainingCheckpointSensor, "defer", lambda self, *, trigger, method_name: (_ for _ in ()).throw(
+        TaskDeferred(trigger=trigger, method_name=method_name)))
     return made
 
 
@@ -84,10 +111,11 @@ def test_the_vm_is_replaced_once_unreachable_past_the_bound_across_reschedules(c
 
     [(reason, replace)] = recoveries
     assert replace is True
-    assert f"VM {spec.vm_name} has answered no SSH for 600 s (unreachable_timeout_seconds=600" in reason
+    assert f"VM {spec.vm_name} has answered no SSH for 600 s (unreachable_timeout_seconds: 600 s" in reason
     assert "timed out" in reason
     assert recoveries.lost_after_step == 342  # for the recovery's record: the steps it loses
-    assert store == {"last_step_g0": 342}  # the replacement starts a new clock
+    # The replacement's boot has a clock of its own.
+    assert store == {"last_step_g0": 342, "new_vm_since_g0": 1_600}
 
 
 def test_a_poke_that_reaches_the_vm_starts_the_clock_again(clock, recoveries):
@@ -121,13 +149,17 @@ def test_without_a_state_store_the_sensor_object_keeps_the_clock(clock, recoveri
     assert len(recoveries) == 1
 
 
-def test_a_recovery_waits_for_a_machine_up_to_max_capacity_wait_minutes(clock, recoveries):
+def test_a_recovery_waits_for_a_machine_deferred_up_to_max_capacity_wait_minutes(clock, recoveries):
     spec = make_spec(output_location="gs://team/sft", max_capacity_wait_minutes=30)
     store = StateStore()
     recoveries.machine_free = False
-    for waited in (0, 600, 1799):  # each poke finds the VM gone and no machine for a new one
+    for waited in (0, 600, 1799):  # each return from the trigger finds no machine for a new VM
         clock.now = 1_000 + waited
-        fresh_sensor(spec)._recover_gone_vm(poke_context(store), spec)
+        with pytest.raises(TaskDeferred) as deferred:
+            fresh_sensor(spec)._recover_gone_vm(poke_context(store), spec)
+        # The trigger waits, the deadline counted from the first poke that found no machine.
+        assert deferred.value.trigger == ("capacity trigger", 1_000 + 1800)
+        assert deferred.value.method_name == "resume_after_capacity_wait"
     assert store == {"capacity_wait_since_g0": 1_000}
 
     clock.now = 1_000 + 1800
@@ -140,8 +172,39 @@ def test_a_recovery_that_got_its_machine_stops_the_wait_clock(clock, recoveries)
     spec = make_spec(output_location="gs://team/sft")
     store = StateStore()
     recoveries.machine_free = False
-    fresh_sensor(spec)._recover_gone_vm(poke_context(store), spec)
+    with pytest.raises(TaskDeferred):
+        fresh_sensor(spec)._recover_gone_vm(poke_context(store), spec)
     recoveries.machine_free = True
     clock.now += 60
     fresh_sensor(spec)._recover_gone_vm(poke_context(store), spec)
-    assert store == {} and len(recoveries) == 2
+    assert store == {"new_vm_since_g0": 1_060} and len(recoveries) == 2
+
+
+def test_a_stopped_vm_is_lost_at_once(clock, recoveries):
+    """TERMINATED (its guest shut down, as its autostop does with the pipeline away): no clock."""
+    spec = make_spec(output_location="gs://team/sft", unreachable_timeout_seconds=600)
+    store = StateStore()
+    recoveries.vm_status = "TERMINATED"
+    assert fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("connection refused")) is False
+    [(reason, replace)] = recoveries
+    assert replace is True and "is stopped (TERMINATED" in reason
+
+
+def test_a_lost_vm_whose_training_finished_is_not_recovered(clock, recoveries):
+    spec = make_spec(output_location="gs://team/sft", steps=40)
+    recoveries.vm_status, recoveries.final_step_committed = "TERMINATED", True
+    done = fresh_sensor(spec)._unreachable(poke_context(StateStore()), spec, OSError("connection refused"))
+    assert recoveries == []
+    assert done.is_done and done.xcom_value["final_step"] == 40 and done.xcom_value["final_loss"] is None
+
+
+def test_a_recreated_vm_has_its_boot_bound_not_the_unreachable_one(clock, recoveries):
+    spec = make_spec(output_location="gs://team/sft", unreachable_timeout_seconds=10)
+    store = StateStore({"new_vm_since_g0": 1_000})
+    clock.now = 1_000 + 300  # far past unreachable_timeout_seconds, within the boot's bound
+    fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("connection refused"))
+    assert recoveries == []
+    clock.now = 1_000 + sensors.SSH_WAIT_SECONDS
+    fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("connection refused"))
+    [(reason, replace)] = recoveries
+    assert replace and "the recreated VM's boot: 600 s" in reason

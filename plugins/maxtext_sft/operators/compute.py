@@ -27,7 +27,11 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
-from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
+from maxtext_sft.triggers.capacity import (
+    CAPACITY_FIRST_READ_SECONDS,
+    CAPACITY_POLL_SECONDS,
+    ReservationCapacityTrigger,
+)
 
 
 def _hook(operator) -> ComputeEngineEndpointHook:
@@ -36,11 +40,6 @@ def _hook(operator) -> ComputeEngineEndpointHook:
         api_version=operator.api_version,
         impersonation_chain=operator.impersonation_chain,
     )
-
-
-# When the capacity trigger reads a full reservation: first after the deferral, then (see CreateVmOperator).
-CAPACITY_FIRST_READ_SECONDS = 60
-CAPACITY_POLL_SECONDS = 15
 
 
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):

@@ -18,7 +18,9 @@ from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.sizing import prunable_steps
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import HostKeysNotPublished, SshLoginProbe, transient_ssh_errors, vm_ssh_hook
+from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
 from maxtext_sft.vm_recovery import VmRecovery
+from maxtext_sft.vm_remake import SSH_WAIT_SECONDS, VmRemake
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
@@ -26,7 +28,8 @@ VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, o
 
 
 class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
-    """Wait until the VM accepts an SSH login as the pipeline's (non-root) user."""
+    """Wait until the VM accepts an SSH login as the pipeline's (non-root) user (done at once when
+    the VM is gone: the step after this makes it again)."""
 
     _login_probe: SshLoginProbe | None = None
 
@@ -37,7 +40,10 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
         try:
             return self._login_probe()
         except NotFound:
-            raise AirflowFailException(f"VM {spec.vm_name} no longer exists: {VM_GONE}") from None
+            # Gone before its first login (or this task was cleared after the run deleted it): the
+            # next step task makes it again (VmScriptOperator), behind the capacity gate.
+            self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
+            return True
 
 
 class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
@@ -54,9 +60,19 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     each poke also deletes the committed checkpoints older than the newest `checkpoints_kept`.
     """
 
-    def __init__(self, *, ssh_conn_id: str, hf_conn_id: str, **kwargs):
+    def __init__(
+        self,
+        *,
+        ssh_conn_id: str,
+        hf_conn_id: str,
+        capacity_poll_seconds: float = CAPACITY_POLL_SECONDS,
+        capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS,
+        **kwargs,
+    ):
         kwargs.setdefault("mode", "reschedule")
         super().__init__(ssh_conn_id=ssh_conn_id, hf_conn_id=hf_conn_id, **kwargs)
+        self.capacity_poll_seconds = capacity_poll_seconds
+        self.capacity_first_read_seconds = capacity_first_read_seconds
 
     def _recovery(self, spec: RunSpec) -> VmRecovery:
         return VmRecovery(
@@ -64,21 +80,60 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         )
 
     def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
-        """Recover the lost VM, or wait (the next poke tries again) while there is no machine for
-        it, at most max_capacity_wait_minutes from the first poke that found none."""
+        """Recover the lost VM, or wait while there is no machine for it, at most
+        max_capacity_wait_minutes from the first poke that found none: deferred to the capacity
+        trigger (no worker slot held, none of the pokes' either), or, without a reservation to
+        read, rescheduled."""
         store, key = self._state(context, "last_step")
-        if self._recovery(spec).recover(reason, replace=replace, lost_after_step=store.get(key)):
+        waiting, since_key = self._state(context, "capacity_wait_since")
+        recovery = self._recovery(spec)
+        if recovery.recover(reason, replace=replace, lost_after_step=store.get(key), waited_since=waiting.get(since_key)):
             self._stop_clock(context, "capacity_wait_since")
+            self._clock_start(context, "new_vm_since")
             return
-        waited = time.time() - self._clock_start(context, "capacity_wait_since")
-        if waited >= spec.max_capacity_wait_minutes * 60:
+        since = self._clock_start(context, "capacity_wait_since")
+        deadline = since + spec.max_capacity_wait_minutes * 60
+        if time.time() >= deadline:
             raise AirflowFailException(
-                f"{reason}; no machine was free to recreate it for {waited / 60:.0f} minutes "
+                f"{reason}; no machine was free to recreate it for {(time.time() - since) / 60:.0f} minutes "
                 f"(max_capacity_wait_minutes={spec.max_capacity_wait_minutes}, reservation {spec.reservation})"
             )
+        trigger = recovery.remake.capacity_wait_trigger(
+            deadline, poll_seconds=self.capacity_poll_seconds, first_read_seconds=self.capacity_first_read_seconds
+        )
+        if trigger is not None:
+            self.log.info("Waiting (deferred, no worker slot) for a free machine in reservation %s", spec.reservation)
+            self.defer(trigger=trigger, method_name="resume_after_capacity_wait")
+
+    def resume_after_capacity_wait(self, context, event: dict | None = None):
+        """Back from the capacity trigger (a machine free, or its deadline): poke again, which
+        recreates the VM or fails past max_capacity_wait_minutes."""
+        self.log.info("Back from the capacity wait: %s", event)
+        return self.execute(context)
 
     def _recover_gone_vm(self, context, spec: RunSpec) -> None:
         self._recover(context, spec, f"VM {spec.vm_name} no longer exists: {VM_GONE}")
+
+    def _finished_in_storage(self, spec: RunSpec) -> PokeReturnValue | None:
+        """With the VM lost, the training may still have finished: its final step committed in
+        storage (a VM stopped by its autostop after the training ended, or deleted since). Then
+        nothing is recovered; the loss is unknown (its log was on the VM)."""
+        if not spec.durable:
+            return None
+        marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
+        if not StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
+            return None
+        result = {
+            "final_step": spec.steps,
+            "final_loss": None,
+            "final_checkpoint": spec.final_checkpoint_path,
+            "vm_recoveries": self._recovery(spec).count(),
+        }
+        self.log.warning(
+            "VM %s is lost, but the training had finished: %s is committed. Its final loss is unknown "
+            "(the training log was on the VM)", spec.vm_name, marker,
+        )
+        return PokeReturnValue(is_done=True, xcom_value=result)
 
     def execute(self, context):
         spec = self.run_spec
@@ -99,13 +154,15 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
                     on_line=output.append,
                 )
         except NotFound:
+            if finished := self._finished_in_storage(spec):
+                return finished
             self._recover_gone_vm(context, spec)
             return False
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
-            self._unreachable(context, spec, error)
-            return False
+            return self._unreachable(context, spec, error)
         self._stop_clock(context, "unreachable_since")
+        self._stop_clock(context, "new_vm_since")
         if status != 0 or not output or not STATUS_LINE.match(output[-1]):
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
@@ -205,19 +262,37 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         if step is not None and store.get(key) != step:
             store.set(key, step)
 
-    def _unreachable(self, context, spec: RunSpec, error: BaseException) -> None:
+    def _unreachable(self, context, spec: RunSpec, error: BaseException) -> bool | PokeReturnValue:
         """Bound how long an unanswering VM is polled: the stall check runs on the VM, so it cannot
-        fire there. Past unreachable_timeout_seconds the VM counts as lost: it is replaced and its
-        training resumed, or the run fails (and delete_vm deletes it)."""
-        waited = time.time() - self._clock_start(context, "unreachable_since")
-        if waited < spec.unreachable_timeout_seconds:
-            return
-        reason = (
-            f"VM {spec.vm_name} has answered no SSH for {waited:.0f} s "
-            f"(unreachable_timeout_seconds={spec.unreachable_timeout_seconds}; last error: {error})"
-        )
+        fire there. A VM that is stopped (TERMINATED: its guest shut down, as its autostop does
+        when the pipeline was away, or the cloud stopped it) is lost at once; a recreated VM has
+        vm_remake.SSH_WAIT_SECONDS from its insert to boot; any other VM is lost once it answered
+        nothing for unreachable_timeout_seconds. A lost VM is replaced and its training resumed,
+        or the run fails (and delete_vm deletes it)."""
+        status = VmRemake(spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, log=self.log).status()
+        if status in (None, "TERMINATED"):
+            if finished := self._finished_in_storage(spec):
+                return finished
+            if status is None:
+                self._recover_gone_vm(context, spec)
+                return False
+            self._stop_clock(context, "unreachable_since")
+            self._recover(context, spec, f"VM {spec.vm_name} is stopped (TERMINATED: its guest shut down, or the "
+                          "cloud stopped it)", replace=True)
+            return False
+        store, key = self._state(context, "new_vm_since")
+        if (booting_since := store.get(key)) is not None:
+            waited, bound, name = time.time() - booting_since, SSH_WAIT_SECONDS, "the recreated VM's boot"
+        else:
+            waited, bound = time.time() - self._clock_start(context, "unreachable_since"), spec.unreachable_timeout_seconds
+            name = "unreachable_timeout_seconds"
+        if waited < bound:
+            return False
+        reason = f"VM {spec.vm_name} has answered no SSH for {waited:.0f} s ({name}: {bound} s; last error: {error})"
         self._stop_clock(context, "unreachable_since")
+        self._stop_clock(context, "new_vm_since")
         self._recover(context, spec, reason, replace=True)
+        return False
 
     def _prune_checkpoints(self, spec: RunSpec) -> None:
         """Keep the newest `checkpoints_kept` committed checkpoints in storage, deleting older ones

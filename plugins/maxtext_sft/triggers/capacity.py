@@ -22,6 +22,11 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 
+# When a task waiting for capacity has the trigger read a full reservation: first after the
+# deferral, then every poll (CreateVmOperator says why the first is longer).
+CAPACITY_FIRST_READ_SECONDS = 60
+CAPACITY_POLL_SECONDS = 15
+
 
 def passing_failure(error: Exception) -> bool:
     """A failure worth reading again for: what the error table retries (throttling, a server
