@@ -17,6 +17,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 output_dir=${2%/}
 cache_uri=${3%/}
 shift 3
@@ -59,7 +60,7 @@ if [ -z "$cache_uri" ]; then
 fi
 
 record=$(mktemp)
-trap 'rm -f "$record"' EXIT
+on_exit 'rm -f "$record"'
 python3 -c '
 import datetime, json, sys
 items, *flags = sys.argv[1:]

@@ -8,6 +8,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 checkpoint_path=${2%/}
 output_dir=${3%/}
 upload_uri=${4%/}

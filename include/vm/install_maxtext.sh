@@ -5,6 +5,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 version=$2
 venv="$work_dir/maxtext_venv"
 

@@ -71,3 +71,35 @@ bucket, _, name = sys.argv[1][len("gs://"):].partition("/")
 storage.Client().bucket(bucket).blob(name.rstrip("/") + "/").upload_from_string(b"")
 PY
 }
+
+# Commands to run when the sourcing script exits, in order (one EXIT trap for all of them: a
+# second `trap ... EXIT` would replace the first).
+_exit_hooks=()
+_run_exit_hooks() {
+  local hook
+  for hook in "${_exit_hooks[@]}"; do
+    eval "$hook" || true
+  done
+}
+on_exit() {
+  _exit_hooks+=("$1")
+  trap _run_exit_hooks EXIT
+}
+
+# The autostop watchdog's folder (see autostop.sh): what it reads to tell a busy VM from an idle one.
+autostop_dir() {
+  printf '%s/maxtext-sft-autostop\n' "$1"
+}
+
+# Every step script calls this once it knows WORK_DIR: the pipeline has been in touch (its
+# training sensor runs training_status.sh at each poke: that is the heartbeat), and this step
+# is in progress until it exits (its pid under busy/, removed on exit; the pid of a process
+# killed before it could remove it no longer counts, as the watchdog checks it is alive).
+note_contact() {
+  local dir
+  dir=$(autostop_dir "$1")
+  # Best effort: a step must not fail because its heartbeat could not be written.
+  mkdir -p "$dir/busy" 2>/dev/null && touch "$dir/contact" && echo $$ >"$dir/busy/$$" || return 0
+  _busy_marker="$dir/busy/$$"
+  on_exit 'rm -f "$_busy_marker"'
+}

@@ -8,6 +8,7 @@ set -euo pipefail
 export LC_ALL=C  # the log is bytes, whatever MaxText printed
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 run_name=$2
 max_lines=$3
 log="$work_dir/maxtext-sft-runs/$run_name/train.log"

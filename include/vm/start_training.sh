@@ -8,6 +8,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 run_name=$2
 accelerator_type=$3
 topology=$4

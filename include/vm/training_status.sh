@@ -11,6 +11,7 @@ set -euo pipefail
 export LC_ALL=C  # byte arithmetic on the log
 source "$(dirname "$0")/lib.sh"
 work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
 run_name=$2
 checkpoints_dir=${3%/}
 steps=$4

@@ -47,12 +47,12 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._daemon import RequestLog
-from . import catalog, disk_images, errors
+from . import catalog, disk_images, errors, guest_power
 from .errors import ApiError
 from .filters import parse_filter
 from .guest import GuestAccounts, metadata_value
 from .schema import BodyValidator
-from .vm import SandboxVM
+from .vm import SandboxVM, pid_namespace
 
 log = logging.getLogger(__name__)
 
@@ -747,6 +747,9 @@ class ComputeEmulator:
         (state_dir / "images").mkdir(parents=True, exist_ok=True)
         # Enforces VM time limits (scheduling.maxRunDuration / terminationTime).
         threading.Thread(target=self._time_limit_loop, name="time-limits", daemon=True).start()
+        # A power-off from inside a VM (`sudo shutdown -h now`) stops its instance (guest_power.py).
+        self.guest_power = guest_power.PowerListener(self._guest_power_off)
+        guest_power.write_shims(state_dir / "vm-etc", self.guest_power.name)
 
     # ----- routing -------------------------------------------------------------------------
 
@@ -1874,6 +1877,7 @@ class ComputeEmulator:
                     project_metadata = copy.deepcopy(self._project_metadata(inst.project))
                 # The image's own environment (its /etc/environment) over the cloud-wide one.
                 env = {**self.vm_env, **disk_images.image_environment(inst.image_dir)}
+                env["PATH"] = guest_power.session_path(env)  # the guest's sudo and shutdown first
                 vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=env, fqdn=inst.fqdn)
                 inst.vm = vm
                 vm.prepare()
@@ -2068,6 +2072,30 @@ class ComputeEmulator:
                         access.pop("natIP", None)
                 self.changed.notify_all()
 
+    def _guest_power_off(self, pid: int, uid: int) -> tuple[str | None, object]:
+        """A shutdown from inside a VM (guest_power.py): the caller's PID namespace names the VM;
+        root or a google-sudoers member of that VM may power it off. On Compute Engine that stops
+        the instance (STOPPING, then TERMINATED: files kept, external IP and reservation unit
+        given back), whatever its instanceTerminationAction, which is for its time limit."""
+        pidns = pid_namespace(pid)
+        with self.changed:
+            found = [i for i in self.instances.values() if i.vm is not None and pidns and i.vm.pidns == pidns]
+            if not found:
+                return "localcloud: the caller is in no VM of this emulator", None
+            [inst] = found
+            if not guest_power.may_power_off(inst.vm.root / "etc", uid):
+                log.info("%s: power-off by uid %d refused (not root, not in google-sudoers)", inst.path, uid)
+                return "must be superuser.", None
+            if inst.deleting or inst.status != "RUNNING":
+                return None, None  # already on its way down
+            log.info("%s: powered off from the guest (uid %d): STOP", inst.path, uid)
+            self._begin_termination(inst, "STOP")
+
+        def finish() -> None:
+            threading.Thread(target=self._finish_termination, args=(inst, "STOP"), daemon=True).start()
+
+        return None, finish
+
     def terminate(self, name: str, action: str, project: str | None = None, zone: str | None = None) -> dict:
         """Terminate an instance the way the cloud itself does (preemption, its time limit):
         no API call, no operation; returns when done."""
@@ -2199,6 +2227,7 @@ class ComputeEmulator:
 
     def shutdown(self) -> None:
         """Delete every VM (used on SIGTERM/SIGINT)."""
+        self.guest_power.close()
         with self.changed:
             self.closing = True
             self.changed.notify_all()

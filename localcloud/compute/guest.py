@@ -2,8 +2,12 @@
 
 Compute Engine's guest agent turns the `ssh-keys` metadata item into local accounts: each
 line `USER:KEYTYPE BASE64 [COMMENT]` makes USER exist (home from the image's skel) and
-writes exactly that user's keys to `~/.ssh/authorized_keys`. Users whose keys disappear
-from the metadata keep their account but lose their keys. No sudo is granted here. Only the
+writes exactly that user's keys to `~/.ssh/authorized_keys`, and puts the user in the
+`google-sudoers` group, which the agent's /etc/sudoers.d/google_sudoers gives passwordless sudo
+(guest-agent google_guest_agent/non_windows_accounts.go: createGoogleUser, createSudoersGroup,
+createSudoersFile; the sandbox's `sudo` honours it, see guest_power.py). Users whose keys
+disappear from the metadata keep their account but lose their keys and that group
+(removeGoogleUser). Only the
 instance's `ssh-keys` are read (project-wide keys are not). With OS Login in effect
 (`enable-oslogin`, the instance's value over the project's) the agent leaves accounts alone.
 
@@ -24,6 +28,7 @@ from pathlib import Path
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _KEY_TYPES = re.compile(r"(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|sk-\S+)")
 FIRST_UID = 1001
+SUDOERS_GROUP = "google-sudoers"
 
 
 def parse_ssh_keys(value: str, now: dt.datetime | None = None) -> dict[str, list[str]]:
@@ -112,6 +117,7 @@ class GuestAccounts:
         if os_login_enabled(metadata, project_metadata):
             return
         keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
+        self._ensure_sudoers_group()
         passwd = _read_table(self.etc / "passwd")
         managed = self.managed_users()
         for user, user_keys in keys.items():
@@ -122,12 +128,24 @@ class GuestAccounts:
                 # System accounts other than root (sshd, daemon, ...) are left alone.
                 continue
             self._write_keys(user, entry, user_keys)
+            _set_group_member(self.etc / "group", SUDOERS_GROUP, user, True)
             managed[user] = len(user_keys)
         for user in list(managed):
             if user not in keys and user in passwd:
                 self._write_keys(user, passwd[user], [])
+                _set_group_member(self.etc / "group", SUDOERS_GROUP, user, False)
                 managed[user] = 0
         self.state_file.write_text(json.dumps(managed, sort_keys=True))
+
+    def _ensure_sudoers_group(self) -> None:
+        """The agent's `groupadd google-sudoers`, if the group is missing. Its gid is taken below
+        1000 (the highest free one), so the users' own gids stay what they were without it."""
+        group = _read_table(self.etc / "group")
+        if SUDOERS_GROUP in group:
+            return
+        used = {int(e[2]) for e in group.values() if len(e) > 2 and e[2].isdigit()}
+        gid = next(g for g in range(999, 100, -1) if g not in used)
+        _append_line(self.etc / "group", f"{SUDOERS_GROUP}:x:{gid}:")
 
     def _create_user(self, user: str, passwd: dict[str, list[str]]) -> list[str]:
         group = _read_table(self.etc / "group")
@@ -189,6 +207,30 @@ class GuestAccounts:
             f.write("".join(f"{key}\n" for key in keys))
         os.lchown(tmp, uid, gid)
         os.replace(tmp, ssh_dir / "authorized_keys")
+
+
+def _set_group_member(path: Path, group: str, user: str, member: bool) -> None:
+    """Add or remove `user` in `group`'s member list (gpasswd -a / -d), in place."""
+    with open(path, "r+") as f:
+        lines = f.read().splitlines()
+        changed = False
+        for n, line in enumerate(lines):
+            fields = line.split(":")
+            if len(fields) == 4 and fields[0] == group:
+                members = [m for m in fields[3].split(",") if m]
+                if member and user not in members:
+                    members.append(user)
+                elif not member and user in members:
+                    members.remove(user)
+                else:
+                    return
+                fields[3] = ",".join(members)
+                lines[n] = ":".join(fields)
+                changed = True
+        if changed:
+            f.seek(0)
+            f.write("".join(f"{line}\n" for line in lines))
+            f.truncate()
 
 
 def _read_table(path: Path) -> dict[str, list[str]]:

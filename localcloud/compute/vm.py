@@ -380,6 +380,11 @@ def pids_in_namespace(pidns: str) -> list[int]:
     return pids
 
 
+def pid_namespace(pid: int) -> str | None:
+    """The PID namespace of a host pid ("pid:[4026...]"), None if it is gone."""
+    return _pidns(pid)
+
+
 def _pidns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")

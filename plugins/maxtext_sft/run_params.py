@@ -204,6 +204,11 @@ PARAMS: tuple[Declared, ...] = (
              "A training VM that answers no SSH for this long is lost: recreated and resumed "
              "(with output_location), else the run fails and the VM is deleted.", TIMING,
              minimum=10, maximum=24 * 3600),
+    Declared("autostop_idle_minutes", "number", 30,
+             "The VM shuts itself down (stopped: no TPU billed) after this long with no training "
+             "process, no step running and no check from the pipeline: a dead Airflow costs minutes "
+             "after the training ends, not the VM's whole lifetime. Keep it well above the poke "
+             "interval and the gaps between tasks.", TIMING, minimum=0.5, maximum=24 * 60),
     Declared("checkpoint_period", "integer", None,
              "Save a checkpoint every this many steps (and the last): what a recreated VM resumes from. "
              "Empty: with output_location every tenth of the steps, at least every 1000; without it "

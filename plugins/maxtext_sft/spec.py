@@ -102,6 +102,13 @@ def build_run_spec(
     p["dataset_name"] = _dataset_of_the_day(p, started)
     if p["dataset_revision"] is not None and p["dataset_name"].startswith(("/", "gs://")):
         raise SpecError("Param 'dataset_revision': only a Hub dataset has revisions, not a folder", "dataset_revision")
+    if p["autostop_idle_minutes"] * 60 < 2 * p["poke_interval_seconds"]:
+        # The pokes are the VM's sign that the pipeline is alive: between two of them it must not stop.
+        raise SpecError(
+            f"Param 'autostop_idle_minutes': {p['autostop_idle_minutes']:g} minutes is less than two poke "
+            f"intervals (poke_interval_seconds={p['poke_interval_seconds']}): the VM would stop itself between checks",
+            "autostop_idle_minutes",
+        )
     for step in ("convert", "train", "export"):
         refuse_owned_keys(step, p[f"{step}_extra_args"])
     if p["output_location"]:

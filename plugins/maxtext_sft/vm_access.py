@@ -181,3 +181,10 @@ def run_vm_step(
             f"{vm_step.script} exited with status {status} on {spec.vm_name}; last lines:\n" + "\n".join(tail)
         )
     return parse_results(reported) or None
+
+
+def start_autostop(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> None:
+    """Start the VM's own watchdog (include/vm/autostop.sh): from the first login on, the VM stops
+    itself after autostop_idle_minutes without a training, a step or a check from the pipeline,
+    so a dead Airflow leaves it billing minutes, not the rest of its lifetime."""
+    run_vm_step("autostop", spec, {}, gcp_conn_id=gcp_conn_id, ssh_conn_id=ssh_conn_id, hf_conn_id="", log=log)

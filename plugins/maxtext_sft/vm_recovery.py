@@ -7,8 +7,8 @@ that no worker slot is held while anything is waited for:
      lifetime; vm_remake.py), and counts the recovery; while no machine is free, the sensor
      defers to the capacity trigger and comes back;
   2. the next pokes find the new VM booting (no SSH yet) and are rescheduled;
-  3. the first poke that reaches it finds no training there, and `resume` runs the install,
-     convert and start-training steps on it (each step's seconds in the task log), as the
+  3. the first poke that reaches it finds no training there, and `resume` starts the VM's
+     autostop and runs the install, convert and start-training steps on it (each step's seconds in the task log), as the
      DAG's own tasks did on the first VM;
   4. the pokes after that watch the resumed training.
 MaxText restores the latest checkpoint under the run's run_name in the output location, so no
@@ -155,6 +155,7 @@ class VmRecovery:
             return result
 
         on_vm = {"spec": self.spec, "log": self.log, **self.connections}
+        timed("autostop", lambda: run_vm_step("autostop", results={}, **on_vm))
         timed("install", lambda: run_vm_step("install", results={}, **on_vm))
         converted = timed("convert", lambda: run_vm_step("convert", results={}, **on_vm)) or {}  # the shared cache
         timed("start_training", lambda: run_vm_step("start_training", results={**converted, "resuming": "yes"}, **on_vm))

@@ -24,7 +24,7 @@ from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
-from maxtext_sft.vm_access import SshLoginProbe
+from maxtext_sft.vm_access import SshLoginProbe, start_autostop
 
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM
 SSH_CHECK_INTERVAL_SECONDS = 5
@@ -122,11 +122,12 @@ class VmRemake:
 
     def wait_for_login(self) -> float:
         """Wait until the new VM takes the pipeline's SSH login (as wait_for_ssh does for the
-        first VM, in poke mode); return the seconds it took."""
+        first VM, in poke mode), and start its autostop; return the seconds it took."""
         started = time.monotonic()
         login_works = SshLoginProbe(self.spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         while not login_works():
             if time.monotonic() - started > SSH_WAIT_SECONDS:
                 raise AirflowException(f"the new VM {self.spec.vm_name} did not answer SSH in {SSH_WAIT_SECONDS} s")
             time.sleep(SSH_CHECK_INTERVAL_SECONDS)  # polling interval: the VM is asked again each time
+        start_autostop(self.spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         return round(time.monotonic() - started, 1)

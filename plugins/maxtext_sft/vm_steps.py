@@ -32,6 +32,14 @@ class VmStep:
 
 
 STEPS: dict[str, VmStep] = {
+    # Started on every VM the pipeline makes, at its first login: the VM stops itself once it has
+    # had no training, no step and no check for autostop_idle_minutes (a dead Airflow).
+    "autostop": VmStep(
+        script="autostop.sh",
+        arguments=lambda s, _: [s.work_dir, f"{s.autostop_idle_minutes:g}"],
+        timeout_seconds=lambda s: 60,
+        needs_hf_token=False,
+    ),
     "install": VmStep(
         script="install_maxtext.sh",
         arguments=lambda s, _: [s.work_dir, s.maxtext_version],

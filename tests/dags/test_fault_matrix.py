@@ -294,7 +294,7 @@ def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: 
     assert [row["recovery"] for row in rows] == list(range(1, recoveries + 1)), rows
     assert all(row["resumes_after_step"] == checkpoint and row["steps_lost"] in (None, 0, 1) for row in rows), rows
     assert all(row["vm_minutes_to_resume"] > 0 and set(row["step_seconds"]) == {
-        "wait_for_ssh", "install", "convert", "start_training"} for row in rows), rows
+        "wait_for_ssh", "autostop", "install", "convert", "start_training"} for row in rows), rows
 
 
 def training_logged(cloud, vm: dict, text: str) -> bool:

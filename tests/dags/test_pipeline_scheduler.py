@@ -7,6 +7,7 @@ own, one shared by the tests that only act through the REST API (at the end of t
 from __future__ import annotations
 
 import ipaddress
+from datetime import datetime
 import json
 import os
 import signal
@@ -288,6 +289,67 @@ def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_work
     [row] = rows
     assert row["capacity_wait_seconds"] > 5  # three reads of the full reservation, at least
     assert row["capacity_stretches_inside"] == 0 and row["capacity_slot_seconds_inside"] == 0, row
+
+
+AUTOSTOP_MINUTES = 0.5
+
+
+def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returning_airflow_finishes_the_run(
+    airflow, local_cloud
+):
+    """SIGKILL the scheduler and the triggerer mid-training: no poke checks the VM any more. The
+    training runs to its end; autostop_idle_minutes later the VM shuts its guest down and the
+    instance is TERMINATED (billing no TPU time). Printed: the VM time billed after the training
+    ended. Then Airflow comes back: the training sensor finds the VM stopped and the final step
+    committed in storage, the export makes the VM again, and the run succeeds with no VM left."""
+    from localcloud.connections import LOCAL_RUN_CONF
+    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.spec import RunSpec
+
+    fault_tally.fault_injected()
+    bucket = "scheduler-autostop"
+    local_cloud.create_bucket(bucket, exist_ok=True)
+    run_id = airflow.trigger({
+        **LOCAL_RUN_CONF, "steps": 12, "poke_interval_seconds": 2, "autostop_idle_minutes": AUTOSTOP_MINUTES,
+        "output_location": f"gs://{bucket}/{time.time_ns()}",
+    })
+    spec = RunSpec.from_dict(wait_until(lambda: airflow.xcom(run_id, "plan_run", "spec"), 120, "the run's spec"))
+    wait_for_training_watched(airflow, run_id)
+    airflow.kill_scheduler()
+    airflow.kill("triggerer")
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    where = {"resource_id": spec.vm_name, "zone": spec.zone, "project_id": spec.project_id}
+    try:
+        stopped = wait_until(
+            lambda: (i := compute.get_instance(**where)).status == "TERMINATED" and i, 300, "the VM to stop itself"
+        )
+        [exit_code] = (local_cloud.state_dir / "vms" / spec.vm_name / "home").glob(
+            f"*/maxtext-sft-runs/{spec.run_name}/exit_code"
+        )
+        assert exit_code.read_text().strip() == "0"  # the training ran to its end with Airflow away
+        training_ended = exit_code.stat().st_mtime
+        stopped_at = datetime.fromisoformat(stopped.last_stop_timestamp).timestamp()
+        billed_after_end = stopped_at - training_ended
+        print(f"VM time billed after the training ended: {billed_after_end:.1f} s "
+              f"(autostop_idle_minutes={AUTOSTOP_MINUTES:g}, Airflow dead)")
+        # The bound, plus the watchdog's check interval and the guest's shutdown.
+        assert AUTOSTOP_MINUTES * 60 <= billed_after_end <= AUTOSTOP_MINUTES * 60 + 20
+
+        airflow.start_scheduler()
+        airflow.start_component("triggerer")
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        try:
+            compute.delete_instance(request_id=None, **where)
+        except Exception:  # noqa: BLE001 - gone already: the run deleted it
+            pass
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    assert local_cloud.vms() == []
+    training = airflow.xcom(run_id, "wait_for_final_checkpoint")
+    assert training["final_step"] == 12 and training["vm_recoveries"] == 0
+    export_log = json.dumps(airflow.task_log(run_id, "export_to_hf"))
+    assert "Made VM" in export_log  # the stopped VM was replaced by the step that needed one
 
 
 # The tests below act on runs through the REST API and leave Airflow's components alone: they

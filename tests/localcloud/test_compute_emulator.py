@@ -594,8 +594,8 @@ def test_ssh_login_guest_attributes_and_isolation(compute_cloud, compute_vm, com
         assert run(client, "stat -c %a ~/.ssh ~/.ssh/authorized_keys").split() == ["700", "600"]
         # sshd is PID 1 of the VM's PID namespace.
         assert run(client, "cat /proc/1/comm").strip() == "sshd"
-        # No sudo for VM users.
-        assert "sudo" not in run(client, "id -Gn")
+        # The guest agent puts ssh-keys users in google-sudoers (passwordless sudo on Compute Engine).
+        assert "google-sudoers" in run(client, "id -Gn").split()
         # /dev/shm, /tmp and /home are the VM's own.
         marker = f"lc-marker-{uuid.uuid4().hex}"
         run(client, f"echo vm > /dev/shm/{marker}; echo vm > /tmp/{marker}")
@@ -1471,3 +1471,81 @@ def test_gcloud_bakes_an_image_from_a_stopped_vms_disk(compute_cloud, gcloud, co
     with pytest.raises(HttpError) as gone:
         images.getFromFamily(project=PROJECT, family="lc-baked").execute()
     assert error_of(gone.value)["message"] == "The resource 'projects/lc-test-project/global/images/family/lc-baked' was not found"
+
+
+# ----- a power-off from inside the VM --------------------------------------------------------
+
+
+def exec_status(client: paramiko.SSHClient, command: str) -> tuple[int, str]:
+    _, stdout, stderr = client.exec_command(command, timeout=20)
+    out = stdout.read().decode() + stderr.read().decode()
+    return stdout.channel.recv_exit_status(), out
+
+
+def test_a_guest_shutdown_by_a_sudoer_stops_the_instance(
+    compute_cloud, compute_vm, compute_discovery, compute_instances_client
+):
+    """`sudo -n shutdown -h now` inside the VM: STOPPING, then TERMINATED as by instances.stop
+    (processes gone, files kept, lastStopTimestamp, no external IP, the reservation unit free).
+    A user outside google-sudoers is refused, by sudo and by shutdown, and the VM keeps running."""
+    name, reservation = "lc-guest-off", "lc-guest-off-resv"
+    compute_cloud.add_reservation(reservation, 1, zone=ZONE, project=PROJECT)
+    key = paramiko.ECDSAKey.generate()
+    instance = compute_vm(
+        name,
+        metadata={"ssh-keys": ssh_keys_line("maxtext", key) + "\n" + ssh_keys_line("visitor", key)},
+        reservation=reservation,
+    )
+    ip = instance["networkInterfaces"][0]["networkIP"]
+    assert instance["networkInterfaces"][0]["accessConfigs"][0].get("natIP")
+
+    def in_use() -> int:
+        got = compute_discovery.reservations().get(project=PROJECT, zone=ZONE, reservation=reservation).execute()
+        return int(got["specificReservation"].get("inUseCount", 0))
+
+    assert in_use() == 1
+    # `visitor` loses sudo, as an OS Login user without roles/compute.osAdminLogin has none (the
+    # VM's /etc/group, edited in place: it is bind-mounted into the VM).
+    group_file = compute_cloud.state_dir / "vms" / name / "etc" / "group"
+    text = group_file.read_text()
+    assert re.search(r"^google-sudoers:x:\d+:maxtext,visitor$", text, re.M), text
+    with open(group_file, "r+") as f:
+        f.write(re.sub(r"^(google-sudoers:x:\d+:)maxtext,visitor$", r"\1maxtext", text, flags=re.M))
+        f.truncate()
+
+    with ssh(ip, "visitor", key) as client:
+        assert "google-sudoers" not in run(client, "id -Gn").split()
+        assert exec_status(client, "sudo -n shutdown -h now") == (1, "sudo: a password is required\n")
+        assert exec_status(client, "shutdown -h now") == (1, "shutdown: must be superuser.\n")
+        # Claiming sudo does not convince the emulator: it checks the caller's uid itself.
+        assert exec_status(client, "SUDO_UID=0 poweroff") == (1, "poweroff: must be superuser.\n")
+    assert compute_instances_client.get(project=PROJECT, zone=ZONE, instance=name).status == "RUNNING"
+
+    with ssh(ip, "maxtext", key) as client:
+        assert "google-sudoers" in run(client, "id -Gn").split()
+        assert run(client, "command -v sudo shutdown").split() == [
+            "/run/localcloud/guest-bin/sudo",
+            "/run/localcloud/guest-bin/shutdown",
+        ]
+        run(client, "echo kept > ~/marker; setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
+        vm = next(v for v in compute_cloud.vms() if v["name"] == name)
+        pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")
+        vm_pids = detached_sleepers(pidns) + pids_in_namespace(pidns)
+        asked = time.monotonic()
+        _, stdout, _ = client.exec_command("sudo -n shutdown -h now", timeout=20)
+        # 0, or -1 when the power-off cut the session before its exit status was sent.
+        assert stdout.channel.recv_exit_status() in (0, -1)
+
+    def stopped():
+        got = compute_instances_client.get(project=PROJECT, zone=ZONE, instance=name)
+        assert got.status in ("RUNNING", "STOPPING", "TERMINATED"), got.status
+        return got if got.status == "TERMINATED" else None
+
+    got = poll(stopped, 10)
+    assert time.monotonic() - asked < 5
+    assert got.last_stop_timestamp and when(got.last_stop_timestamp) >= when(instance["lastStartTimestamp"])
+    assert not got.network_interfaces[0].access_configs[0].nat_i_p
+    assert not any(Path(f"/proc/{pid}").exists() and pid in pids_in_namespace(pidns) for pid in vm_pids)
+    assert in_use() == 0
+    # A stopped instance keeps its disk: the user's files are still there.
+    assert (compute_cloud.state_dir / "vms" / name / "home" / "maxtext" / "marker").read_text() == "kept\n"

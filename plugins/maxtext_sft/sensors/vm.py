@@ -17,7 +17,13 @@ from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.sizing import prunable_steps
 from maxtext_sft.spec import RunSpec
-from maxtext_sft.vm_access import HostKeysNotPublished, SshLoginProbe, transient_ssh_errors, vm_ssh_hook
+from maxtext_sft.vm_access import (
+    HostKeysNotPublished,
+    SshLoginProbe,
+    start_autostop,
+    transient_ssh_errors,
+    vm_ssh_hook,
+)
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
 from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_remake import SSH_WAIT_SECONDS, VmRemake
@@ -38,7 +44,10 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
         if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
             self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         try:
-            return self._login_probe()
+            if not self._login_probe():
+                return False
+            start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
+            return True
         except NotFound:
             # Gone before its first login (or this task was cleared after the run deleted it): the
             # next step task makes it again (VmScriptOperator), behind the capacity gate.
