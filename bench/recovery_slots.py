@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench import figures
+from maxtext_sft.run_names import ledger_entry_number, ledger_resumed_name
 
 RESUME_STEPS = ("install", "convert", "start_training")
 
@@ -34,11 +35,11 @@ def recovery_waits(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, An
     """Per recovery of the ledger: {"recovery", "capacity": (start, end) | None, "ssh": (start, end) | None}."""
     waits = []
     for name, entry in sorted(ledger.items()):
-        if not name.removesuffix(".json").isdigit() or entry.get("at") is None:
+        if ledger_entry_number(name) is None or entry.get("at") is None:
             continue
         number, inserted = entry.get("recovery"), float(entry["at"])
         capacity = entry.get("capacity_wait")
-        resumed = ledger.get(f"{number}-resumed.json") or {}
+        resumed = ledger.get(ledger_resumed_name(number)) or {}
         ssh = None
         if resumed.get("resumed_at") is not None:
             rerun = sum((resumed.get("step_seconds") or {}).get(step, 0.0) for step in RESUME_STEPS)

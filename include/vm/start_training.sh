@@ -2,8 +2,11 @@
 # Tutorial step 4: start SFT detached, so it survives the SSH connection that started it.
 # Writes WORK_DIR/maxtext-sft-runs/RUN_NAME/{train.log,pid,exit_code}. Safe to run twice: a
 # running or finished training is left alone; a failed one is started again and MaxText
-# resumes from its latest checkpoint.
-# Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS [MAXTEXT_ARG...]
+# resumes from its latest checkpoint. When the training exits, its "completed step" lines (at
+# most 2000, as loss_history.sh thins them for the run record) are copied to STEP_LINES_URI
+# (gs://..., or "" for none) before the exit code is written: the final loss and the loss curve
+# then outlive a VM that stops itself, or is lost, after the training ended.
+# Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS STEP_LINES_URI [MAXTEXT_ARG...]
 #        (HF token on stdin or in HF_TOKEN)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -13,7 +16,8 @@ run_name=$2
 accelerator_type=$3
 topology=$4
 chips_per_host_bounds=$5
-shift 5
+step_lines_uri=$6
+shift 6
 read_hf_token
 job_dir="$work_dir/maxtext-sft-runs/$run_name"
 mkdir -p "$job_dir"
@@ -35,9 +39,16 @@ export TPU_CHIPS_PER_HOST_BOUNDS="$chips_per_host_bounds" TPU_HOST_BOUNDS=1,1,1
 # The exit code is written via a rename, so a reader never sees a half-written file.
 # shellcheck disable=SC2016
 setsid nohup bash -c '
-  job_dir=$1; shift
+  job_dir=$1 scripts=$2 work_dir=$3 run_name=$4 step_lines_uri=$5; shift 5
   python3 -m maxtext.trainers.post_train.sft.train_sft "$@" >>"$job_dir/train.log" 2>&1
-  echo $? >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
-' train_sft "$job_dir" "$@" </dev/null >/dev/null 2>&1 &
+  status=$?
+  if [ -n "$step_lines_uri" ]; then
+    { bash "$scripts/loss_history.sh" "$work_dir" "$run_name" 2000 >"$job_dir/step-lines.log" &&
+      gcloud storage cp "$job_dir/step-lines.log" "$step_lines_uri"; } >>"$job_dir/train.log" 2>&1 ||
+      echo "could not copy the step lines to $step_lines_uri" >>"$job_dir/train.log"
+  fi
+  echo $status >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
+' train_sft "$job_dir" "$(cd "$(dirname "$0")" && pwd)" "$work_dir" "$run_name" "$step_lines_uri" "$@" \
+  </dev/null >/dev/null 2>&1 &
 echo $! >"$job_dir/pid"
 echo "Started training $run_name (pid $!); log: $job_dir/train.log"

@@ -37,6 +37,16 @@ def parse_loss_history(lines: Iterable[str]) -> LossHistory:
     return [[step, losses[step]] for step in sorted(losses)]
 
 
+def final_loss_text(lines: Iterable[str], final_step: int) -> str | None:
+    """The loss of step `final_step` as MaxText printed it ("nan" stays "nan", for the publishing
+    gate), from "completed step" lines; None when no line is of that step."""
+    loss = None
+    for line in lines:
+        if (match := STEP_LINE.search(line)) and int(match.group(1)) == final_step:
+            loss = match.group(2)
+    return loss
+
+
 def downsample(history: LossHistory, limit: int = MAX_POINTS) -> LossHistory:
     """At most `limit` evenly spaced points, the first and the last always among them."""
     if len(history) <= limit:

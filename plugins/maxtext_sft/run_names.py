@@ -22,6 +22,25 @@ def label_value(text: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
+# The recovery ledger's objects (vm_recovery.py): N.json per recovery, N-resumed.json once its
+# training resumed.
+LEDGER_ENTRY = re.compile(r"([0-9]+)\.json")
+
+
+def ledger_entry_name(number: int) -> str:
+    return f"{number}.json"
+
+
+def ledger_resumed_name(number: int) -> str:
+    return f"{number}-resumed.json"
+
+
+def ledger_entry_number(name: str) -> int | None:
+    """N of a ledger entry's object name "N.json"; None for any other object."""
+    match = LEDGER_ENTRY.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def vm_name_for(prefix: str, dag_id: str, run_id: str, generation: int) -> str:
     """A valid GCE name, unique per DAG run and generation, identical on every task retry."""
     return f"{prefix}-{short_hash(f'{dag_id}/{run_id}', 10)}-g{generation}"
@@ -104,6 +123,12 @@ class RunPaths:
     def vm_recoveries_uri(self) -> str | None:
         """Folder of the run's recovery ledger (one object per recreated VM); None without an output location."""
         return f"{self.run_output_dir}/vm-recoveries" if self.output_location else None
+
+    @property
+    def training_steps_uri(self) -> str | None:
+        """The training's per-step lines, copied next to its checkpoints when it exits: the final
+        loss and the loss curve outlive the VM. None without an output location."""
+        return f"{self.run_output_dir}/training-steps.log" if self.output_location else None
 
     @property
     def run_record_uri(self) -> str | None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from maxtext_sft.run_names import ledger_entry_number, ledger_resumed_name
+
 # XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
 PHASE_KEY = "phase"
 # Task states in which create_vm has started at least once, so a VM may have existed.
@@ -115,10 +117,10 @@ def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
     the new one resumed from), and the VM-minutes from the new VM's insert to the resumed training."""
     rows = []
     for name, entry in sorted(ledger.items()):
-        if not name.removesuffix(".json").isdigit():
+        if ledger_entry_number(name) is None:
             continue
         number = entry.get("recovery")
-        resumed = ledger.get(f"{number}-resumed.json") or {}
+        resumed = ledger.get(ledger_resumed_name(number)) or {}
         lost, kept = entry.get("lost_after_step"), entry.get("resumes_after_step") or 0
         at, resumed_at = entry.get("at"), resumed.get("resumed_at")
         rows.append({

@@ -25,7 +25,6 @@ there is nothing to resume from, and the run fails saying so.
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
@@ -34,14 +33,13 @@ from google.api_core.exceptions import NotFound
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.run_names import ledger_entry_name, ledger_entry_number, ledger_resumed_name
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import run_vm_step
 from maxtext_sft.vm_remake import VmRemake
 
 # Label of a recreated VM: which recovery made it (the ledger entry is written after its insert).
 RECOVERY_LABEL = "maxtext-sft-recovery"
-# The ledger: N.json per recovery (create-once, counted), N-resumed.json once its training resumed.
-LEDGER_ENTRY = re.compile(r"[0-9]+\.json")
 
 
 class VmRecovery:
@@ -56,7 +54,7 @@ class VmRecovery:
         if not self.spec.durable:
             return 0
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
-        return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if LEDGER_ENTRY.fullmatch(name))
+        return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if ledger_entry_number(name) is not None)
 
     def recover(
         self, reason: str, *, replace: bool = False, lost_after_step: int | None = None, waited_since: float | None = None
@@ -107,7 +105,7 @@ class VmRecovery:
             "capacity_wait": [round(t, 3) for t in waited] if waited else None,
             "at": round(time.time(), 3),  # the insert was accepted
         }
-        if not storage.create_once(f"{spec.vm_recoveries_uri}/{number}.json", json.dumps(entry)):
+        if not storage.create_once(f"{spec.vm_recoveries_uri}/{ledger_entry_name(number)}", json.dumps(entry)):
             raise AirflowException(f"recovery {number} of {spec.run_name} was taken by another try: checking again")
         self.log.warning(
             "%s. Recovery %d of at most %d: recreated it; training resumes after step %s "
@@ -140,7 +138,7 @@ class VmRecovery:
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
         seconds: dict[str, float] = {}
         if number:
-            entry = json.loads(storage.read_text(f"{self.spec.vm_recoveries_uri}/{number}.json"))
+            entry = json.loads(storage.read_text(f"{self.spec.vm_recoveries_uri}/{ledger_entry_name(number)}"))
             if "at" in entry:
                 seconds["wait_for_ssh"] = round(max(0.0, time.time() - entry["at"]), 1)
                 self.log.info(
@@ -162,7 +160,7 @@ class VmRecovery:
         self.log.info("Training %s resumed on the recreated VM %s", self.spec.run_name, self.spec.vm_name)
         if number:
             storage.upload(
-                *split_gcs_uri(f"{self.spec.vm_recoveries_uri}/{number}-resumed.json"),
+                *split_gcs_uri(f"{self.spec.vm_recoveries_uri}/{ledger_resumed_name(number)}"),
                 data=json.dumps({"recovery": number, "resumed_at": int(time.time()), "step_seconds": seconds}),
                 mime_type="application/json",
             )

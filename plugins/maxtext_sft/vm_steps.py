@@ -62,6 +62,7 @@ STEPS: dict[str, VmStep] = {
             s.tpu["accelerator_type"],
             s.tpu["topology"],
             s.tpu["chips_per_host_bounds"],
+            s.training_steps_uri or "",
             # "resuming": set by a VM recovery (sensors/vm.py), not by the DAG's start_training.
             *s.train_args(results.get("base_checkpoint"), resuming=results.get("resuming") == "yes"),
         ],

@@ -301,7 +301,8 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     training runs to its end; autostop_idle_minutes later the VM shuts its guest down and the
     instance is TERMINATED (billing no TPU time). Printed: the VM time billed after the training
     ended. Then Airflow comes back: the training sensor finds the VM stopped and the final step
-    committed in storage, the export makes the VM again, and the run succeeds with no VM left."""
+    committed in storage (its final loss and loss curve from the step lines the training copied
+    there), the export makes the VM again, and the run succeeds with no VM left."""
     from localcloud.connections import LOCAL_RUN_CONF
     from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
     from maxtext_sft.spec import RunSpec
@@ -348,6 +349,10 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     assert local_cloud.vms() == []
     training = airflow.xcom(run_id, "wait_for_final_checkpoint")
     assert training["final_step"] == 12 and training["vm_recoveries"] == 0
+    # The loss outlived the stopped VM: the training copied its step lines to storage as it exited.
+    assert float(training["final_loss"]) > 0
+    record = airflow.xcom(run_id, "collect_outputs")
+    assert [step for step, _ in record["loss_history"]] == list(range(1, 13)) and record["loss_curve"]
     export_log = json.dumps(airflow.task_log(run_id, "export_to_hf"))
     assert "Made VM" in export_log  # the stopped VM was replaced by the step that needed one
 

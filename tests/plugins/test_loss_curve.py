@@ -13,6 +13,7 @@ from maxtext_sft.loss_curve import (
     INSET,
     Scale,
     downsample,
+    final_loss_text,
     parse_loss_history,
     plot_box,
     render_loss_curve,
@@ -136,3 +137,9 @@ def test_a_gap_where_the_loss_was_not_a_number_and_a_lone_point_still_shows():
     scale = Scale([[7, 0.5]])
     assert near(rows, scale.x(7), scale.y(0.5), CURVE)
     decode_png(render_loss_curve([]))  # an empty history is an empty chart, not an error
+
+
+def test_the_final_loss_is_the_final_steps_as_printed():
+    lines = ["completed step: 11, seconds: 0.1, loss: 2.0", "noise", "completed step: 12, seconds: 0.1, loss: nan"]
+    assert final_loss_text(lines, 12) == "nan"  # as text: the publishing gate refuses a NaN, not a missing loss
+    assert final_loss_text(lines, 13) is None

@@ -80,6 +80,9 @@ def recoveries(monkeypatch):
         def uri_exists(self, uri):
             return made.final_step_committed
 
+        def read_text(self, uri):  # the step lines start_training.sh copied as the training exited
+            return "completed step: 39, seconds: 1.0, loss: 1.7\ncompleted step: 40, seconds: 1.0, loss: 1.5\n"
+
     monkeypatch.setattr(sensors, "VmRecovery", Recovery)
     monkeypatch.setattr(sensors, "VmRemake", Remake)
     monkeypatch.setattr(sensors, "StorageEndpointHook", Storage)
@@ -195,7 +198,7 @@ def test_a_lost_vm_whose_training_finished_is_not_recovered(clock, recoveries):
     recoveries.vm_status, recoveries.final_step_committed = "TERMINATED", True
     done = fresh_sensor(spec)._unreachable(poke_context(StateStore()), spec, OSError("connection refused"))
     assert recoveries == []
-    assert done.is_done and done.xcom_value["final_step"] == 40 and done.xcom_value["final_loss"] is None
+    assert done.is_done and done.xcom_value["final_step"] == 40 and done.xcom_value["final_loss"] == "1.5"
 
 
 def test_a_recreated_vm_has_its_boot_bound_not_the_unreachable_one(clock, recoveries):
@@ -208,3 +211,13 @@ def test_a_recreated_vm_has_its_boot_bound_not_the_unreachable_one(clock, recove
     fresh_sensor(spec)._unreachable(poke_context(store), spec, OSError("connection refused"))
     [(reason, replace)] = recoveries
     assert replace and "the recreated VM's boot: 600 s" in reason
+
+
+@pytest.mark.parametrize("status", [None, "TERMINATED"], ids=["gone", "stopped"])
+def test_wait_for_ssh_is_done_at_once_for_a_vm_gone_or_stopped(recoveries, monkeypatch, status):
+    """The step after it makes the VM again; waiting for a stopped VM's SSH would only time out."""
+    recoveries.vm_status = status
+    monkeypatch.setattr(sensors, "SshLoginProbe", lambda *_: pytest.fail("no login is tried"))
+    spec = make_spec()
+    sensor = sensors.VmSshReadySensor(task_id="wait_for_ssh", spec=spec.to_dict(), gcp_conn_id="gcp", ssh_conn_id="ssh")
+    assert sensor.poke({}) is True

@@ -149,15 +149,24 @@ class CollectOutputsOperator(RunTaskOperator):
         return history
 
     def _loss_history_or_none(self, spec: RunSpec) -> LossHistory | None:
-        """With an output location nothing else here needs the VM: if it cannot be reached, the
-        outputs are still recorded, without the curve."""
+        """With an output location nothing else here needs the VM: the loss history comes from its
+        training log, or, when the VM cannot be reached or has none (stopped by its autostop, made
+        again for the export), from the step lines the training copied to storage as it exited;
+        without either the outputs are still recorded, without the curve."""
         try:
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id)
             with hook.get_conn():
-                return self._loss_history(spec, hook)
+                if history := self._loss_history(spec, hook):
+                    return history
         except (NotFound, HostKeysNotPublished, LoginRefused, RemoteCommandError, *transient_ssh_errors()) as error:
-            self.log.warning("No loss curve: could not read the training log on %s: %s", spec.vm_name, error)
+            self.log.warning("Could not read the training log on %s: %s", spec.vm_name, error)
+        storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        if not storage.uri_exists(spec.training_steps_uri):
+            self.log.warning("No loss curve: no training log on the VM, nothing at %s", spec.training_steps_uri)
             return None
+        history = downsample(parse_loss_history(storage.read_text(spec.training_steps_uri).splitlines()))
+        self.log.info("Loss history of %s from %s: %s points", spec.run_name, spec.training_steps_uri, len(history))
+        return history
 
 
 class PublishToHubOperator(RunTaskOperator):

@@ -13,7 +13,7 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
-from maxtext_sft.loss_curve import STEP_LINE
+from maxtext_sft.loss_curve import STEP_LINE, final_loss_text
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.sizing import prunable_steps
 from maxtext_sft.spec import RunSpec
@@ -34,13 +34,18 @@ VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, o
 
 
 class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
-    """Wait until the VM accepts an SSH login as the pipeline's (non-root) user (done at once when
-    the VM is gone: the step after this makes it again)."""
+    """Wait until the VM accepts an SSH login as the pipeline's (non-root) user, then start its
+    autostop. Done at once when the VM is gone or stopped (this task cleared after the run
+    deleted it, or its autostop stopped it): the step after this makes it again."""
 
     _login_probe: SshLoginProbe | None = None
 
     def poke(self, context) -> bool:
         spec = self.run_spec
+        status = VmRemake(spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, log=self.log).status()
+        if status in (None, "TERMINATED"):
+            self.log.warning("VM %s is %s: the next step makes it again", spec.vm_name, status or "gone")
+            return True
         if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
             self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
         try:
@@ -48,9 +53,7 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
                 return False
             start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
             return True
-        except NotFound:
-            # Gone before its first login (or this task was cleared after the run deleted it): the
-            # next step task makes it again (VmScriptOperator), behind the capacity gate.
+        except NotFound:  # deleted while this poke ran: as above
             self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
             return True
 
@@ -126,21 +129,26 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     def _finished_in_storage(self, spec: RunSpec) -> PokeReturnValue | None:
         """With the VM lost, the training may still have finished: its final step committed in
         storage (a VM stopped by its autostop after the training ended, or deleted since). Then
-        nothing is recovered; the loss is unknown (its log was on the VM)."""
+        nothing is recovered; the final loss is read from the step lines start_training.sh copied
+        to storage as the training exited (None if they are not there)."""
         if not spec.durable:
             return None
         marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
         if not StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
             return None
+        storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        final_loss = None
+        if storage.uri_exists(spec.training_steps_uri):
+            final_loss = final_loss_text(storage.read_text(spec.training_steps_uri).splitlines(), spec.steps)
         result = {
             "final_step": spec.steps,
-            "final_loss": None,
+            "final_loss": final_loss,
             "final_checkpoint": spec.final_checkpoint_path,
             "vm_recoveries": self._recovery(spec).count(),
         }
         self.log.warning(
-            "VM %s is lost, but the training had finished: %s is committed. Its final loss is unknown "
-            "(the training log was on the VM)", spec.vm_name, marker,
+            "VM %s is lost, but the training had finished: %s is committed; final loss %s (from %s)",
+            spec.vm_name, marker, final_loss, spec.training_steps_uri,
         )
         return PokeReturnValue(is_done=True, xcom_value=result)
 
