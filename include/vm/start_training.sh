@@ -43,9 +43,10 @@ setsid nohup bash -c '
   python3 -m maxtext.trainers.post_train.sft.train_sft "$@" >>"$job_dir/train.log" 2>&1
   status=$?
   if [ -n "$step_lines_uri" ]; then
+    # The copy logs to a file of its own: the training log is what the sensor streams.
     { bash "$scripts/loss_history.sh" "$work_dir" "$run_name" 2000 >"$job_dir/step-lines.log" &&
-      gcloud storage cp "$job_dir/step-lines.log" "$step_lines_uri"; } >>"$job_dir/train.log" 2>&1 ||
-      echo "could not copy the step lines to $step_lines_uri" >>"$job_dir/train.log"
+      gcloud storage cp "$job_dir/step-lines.log" "$step_lines_uri"; } >"$job_dir/step-lines.upload.log" 2>&1 ||
+      echo "could not copy the step lines to $step_lines_uri (see $job_dir/step-lines.upload.log)" >>"$job_dir/train.log"
   fi
   echo $status >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
 ' train_sft "$job_dir" "$(cd "$(dirname "$0")" && pwd)" "$work_dir" "$run_name" "$step_lines_uri" "$@" \

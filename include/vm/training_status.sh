@@ -68,7 +68,7 @@ if grep -q -a 'You may have run out of training data' "$log" 2>/dev/null; then
 fi
 # When did the last step change? The progress file keeps "STEP EPOCH" across calls.
 now=$(date +%s)
-read -r seen_step seen_at <"$job_dir/progress" 2>/dev/null || true
+read -r seen_step seen_at 2>/dev/null <"$job_dir/progress" || true  # none yet after a (re)start
 if [ "${seen_step:-}" != "${last_step:-none}" ] || [ -z "${seen_at:-}" ]; then
   # Before any step was seen, idle time counts from the training's start (its pid file).
   seen_at=$now

@@ -152,6 +152,18 @@ def test_training_runs_detached_and_status_streams_each_line_once(vm):
     assert log.count("Train loop finished") == 1
 
 
+def test_the_first_status_after_a_start_writes_nothing_to_stderr(vm):
+    """stderr reaches the sensor over its own SSH channel, maybe after the status line: the first
+    check after a (re)start, with no progress file yet, must not complain about it."""
+    converted(vm)
+    vm.faults.write_text(json.dumps({"seconds_per_step": 0.002, "train_sft": {"stall_at_step": 3}}))
+    vm.run("start_training")
+    first = vm.run("training_status")
+    assert first.stderr == "" and "MAXTEXT_SFT_STATUS" in first.stdout
+    pid = int((vm.home / "maxtext-sft-runs" / vm.spec.run_name / "pid").read_text())
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+
 def test_start_training_twice_while_running_starts_one_process(vm):
     converted(vm)
     vm.faults.write_text(json.dumps({"seconds_per_step": 0.002, "train_sft": {"stall_at_step": 5}}))

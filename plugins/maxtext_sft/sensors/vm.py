@@ -180,9 +180,13 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             return self._unreachable(context, spec, error)
         self._stop_clock(context, "unreachable_since")
         self._stop_clock(context, "new_vm_since")
-        if status != 0 or not output or not STATUS_LINE.match(output[-1]):
+        # stdout and stderr come over separate SSH channels: a stderr line may follow the status
+        # line. The status goes last, every other line is the training's.
+        at = next((i for i in range(len(output) - 1, -1, -1) if STATUS_LINE.match(output[i])), None)
+        if status != 0 or at is None:
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
+        output = [*output[:at], *output[at + 1 :], output[at]]
         fields = dict(item.split("=", 1) for item in STATUS_LINE.match(output[-1]).group(1).split())
         self._note_last_step(context, _number(fields.get("last_step")))
         self._prune_checkpoints(spec)
