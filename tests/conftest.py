@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,17 @@ os.environ.update(
         "HF_HUB_DISABLE_XET": "1",
     }
 )
+
+
+def poll(condition, timeout: float, what: str | None = None, *, interval: float = 0.1):
+    """The first truthy value of `condition()`, polled every `interval` for up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what or condition}: not true after {timeout} s"
+        time.sleep(interval)  # polling interval; the condition is re-read each time
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -118,7 +118,7 @@ class GuestAccounts:
             return
         keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
         self._ensure_sudoers_group()
-        passwd = _read_table(self.etc / "passwd")
+        passwd = read_table(self.etc / "passwd")
         managed = self.managed_users()
         for user, user_keys in keys.items():
             entry = passwd.get(user)
@@ -140,7 +140,7 @@ class GuestAccounts:
     def _ensure_sudoers_group(self) -> None:
         """The agent's `groupadd google-sudoers`, if the group is missing. Its gid is taken below
         1000 (the highest free one), so the users' own gids stay what they were without it."""
-        group = _read_table(self.etc / "group")
+        group = read_table(self.etc / "group")
         if SUDOERS_GROUP in group:
             return
         used = {int(e[2]) for e in group.values() if len(e) > 2 and e[2].isdigit()}
@@ -148,7 +148,7 @@ class GuestAccounts:
         _append_line(self.etc / "group", f"{SUDOERS_GROUP}:x:{gid}:")
 
     def _create_user(self, user: str, passwd: dict[str, list[str]]) -> list[str]:
-        group = _read_table(self.etc / "group")
+        group = read_table(self.etc / "group")
         used_uids = {int(e[2]) for e in passwd.values()}
         used_gids = {int(e[2]) for e in group.values()}
         uid = FIRST_UID
@@ -233,7 +233,7 @@ def _set_group_member(path: Path, group: str, user: str, member: bool) -> None:
             f.truncate()
 
 
-def _read_table(path: Path) -> dict[str, list[str]]:
+def read_table(path: Path) -> dict[str, list[str]]:
     table = {}
     for line in path.read_text().splitlines():
         if line and not line.startswith("#"):

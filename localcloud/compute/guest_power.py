@@ -35,9 +35,10 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from .guest import SUDOERS_GROUP, read_table
+
 log = logging.getLogger(__name__)
 
-SUDOERS_GROUP = "google-sudoers"
 SHIM_DIR = "guest-bin"  # under vm-etc, so /run/localcloud/guest-bin in every VM
 VM_SHIM_DIR = f"/run/localcloud/{SHIM_DIR}"
 SOCKET_FILE = "power-socket"  # the abstract socket's name, beside the shims
@@ -138,8 +139,8 @@ def may_power_off(vm_etc_dir: Path, uid: int) -> bool:
     if uid == 0:
         return True
     try:
-        passwd = _table(vm_etc_dir / "passwd")
-        group = _table(vm_etc_dir / "group")
+        passwd = read_table(vm_etc_dir / "passwd")
+        group = read_table(vm_etc_dir / "group")
     except OSError:
         return False
     user = next((fields for fields in passwd.values() if len(fields) > 3 and fields[2] == str(uid)), None)
@@ -147,15 +148,6 @@ def may_power_off(vm_etc_dir: Path, uid: int) -> bool:
     if user is None or sudoers is None or len(sudoers) < 4:
         return False
     return user[0] in sudoers[3].split(",") or user[3] == sudoers[2]
-
-
-def _table(path: Path) -> dict[str, list[str]]:
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line and not line.startswith("#"):
-            fields = line.split(":")
-            rows[fields[0]] = fields
-    return rows
 
 
 class PowerListener:

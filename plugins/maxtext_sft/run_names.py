@@ -22,6 +22,9 @@ def label_value(text: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
+# Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
+ORBAX_COMMIT_MARKER = "commit_success.txt"
+
 # The recovery ledger's objects (vm_recovery.py): N.json per recovery, N-resumed.json once its
 # training resumed.
 LEDGER_ENTRY = re.compile(r"([0-9]+)\.json")
@@ -108,6 +111,11 @@ class RunPaths:
     @property
     def final_checkpoint_path(self) -> str:
         return f"{self.checkpoints_dir}/{self.steps}/model_params"
+
+    @property
+    def final_commit_marker_uri(self) -> str:
+        """The final step's Orbax commit marker: with an output location, the training is done once it exists."""
+        return f"{self.checkpoints_dir}/{self.steps}/{ORBAX_COMMIT_MARKER}"
 
     @property
     def hf_export_dir(self) -> str:

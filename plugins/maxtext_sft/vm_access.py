@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from google.api_core.exceptions import NotFound
@@ -181,6 +182,23 @@ def run_vm_step(
             f"{vm_step.script} exited with status {status} on {spec.vm_name}; last lines:\n" + "\n".join(tail)
         )
     return parse_results(reported) or None
+
+
+def run_vm_steps(
+    steps: Sequence[str], spec: RunSpec, results: dict, *, what: str, gcp_conn_id: str, ssh_conn_id: str,
+    hf_conn_id: str, log: Any,
+) -> tuple[dict, dict[str, float]]:
+    """Run `steps` in order on the VM, each given `results` and what the steps before it reported;
+    log each one's seconds ("WHAT: STEP took S s"). Returns (those results, each step's seconds)."""
+    results, seconds = dict(results), {}
+    for step in steps:
+        started = time.monotonic()
+        results |= run_vm_step(
+            step, spec, results, gcp_conn_id=gcp_conn_id, ssh_conn_id=ssh_conn_id, hf_conn_id=hf_conn_id, log=log
+        ) or {}
+        seconds[step] = round(time.monotonic() - started, 1)
+        log.info("%s: %s took %.1f s", what, step, seconds[step])
+    return results, seconds
 
 
 def start_autostop(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any) -> None:

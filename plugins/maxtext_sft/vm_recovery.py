@@ -35,8 +35,9 @@ from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.run_names import ledger_entry_name, ledger_entry_number, ledger_resumed_name
 from maxtext_sft.spec import RunSpec
-from maxtext_sft.vm_access import run_vm_step
+from maxtext_sft.vm_access import run_vm_steps
 from maxtext_sft.vm_remake import VmRemake
+from maxtext_sft.vm_steps import STEPS_BEFORE
 
 # Label of a recreated VM: which recovery made it (the ledger entry is written after its insert).
 RECOVERY_LABEL = "maxtext-sft-recovery"
@@ -145,18 +146,12 @@ class VmRecovery:
                     "Recovery of %s: the new VM answered SSH %.1f s after its insert", self.spec.vm_name, seconds["wait_for_ssh"]
                 )
 
-        def timed(step: str, run: Any) -> Any:
-            started = time.monotonic()
-            result = run()
-            seconds[step] = round(time.monotonic() - started, 1)
-            self.log.info("Recovery of %s: %s took %.1f s", self.spec.vm_name, step, seconds[step])
-            return result
-
-        on_vm = {"spec": self.spec, "log": self.log, **self.connections}
-        timed("autostop", lambda: run_vm_step("autostop", results={}, **on_vm))
-        timed("install", lambda: run_vm_step("install", results={}, **on_vm))
-        converted = timed("convert", lambda: run_vm_step("convert", results={}, **on_vm)) or {}  # the shared cache
-        timed("start_training", lambda: run_vm_step("start_training", results={**converted, "resuming": "yes"}, **on_vm))
+        # The conversion is found in the shared cache; its path reaches start_training.
+        _, step_seconds = run_vm_steps(
+            ("autostop", *STEPS_BEFORE["start_training"], "start_training"), self.spec, {"resuming": "yes"},
+            what=f"Recovery of {self.spec.vm_name}", log=self.log, **self.connections,
+        )
+        seconds |= step_seconds
         self.log.info("Training %s resumed on the recreated VM %s", self.spec.run_name, self.spec.vm_name)
         if number:
             storage.upload(

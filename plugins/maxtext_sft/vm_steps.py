@@ -93,6 +93,16 @@ STEPS: dict[str, VmStep] = {
 }
 
 
+# What a step needs done first on a VM made again (a recovery, a cleared task): the earlier steps'
+# work lives on the VM's disk (the MaxText venv; the converted checkpoint, unless in the shared cache).
+STEPS_BEFORE: dict[str, tuple[str, ...]] = {
+    "install": (),
+    "convert": ("install",),
+    "start_training": ("install", "convert"),
+    "export": ("install",),
+}
+
+
 def vm_scripts_dir() -> Path:
     return include_dir() / "vm"
 

@@ -7,6 +7,7 @@ wait for. Bounds are 0.05 minutes (3 s; checks every 0.75 s).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -16,21 +17,14 @@ from pathlib import Path
 import pytest
 
 from maxtext_sft.vm_steps import vm_scripts_dir
+from tests.conftest import poll
 
 SCRIPT = vm_scripts_dir() / "autostop.sh"
 BOUND_MINUTES = "0.05"
 BOUND = 3.0
 
 
-def wait_for(condition, timeout: float, what: str):
-    """The first truthy value of `condition()` before the deadline (polled; the condition is re-read)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not seen after {timeout} s"
-        time.sleep(0.05)
+wait_for = functools.partial(poll, interval=0.05)  # wait_for(condition, timeout, what)
 
 
 def stays_false(condition, seconds: float, what: str) -> None:

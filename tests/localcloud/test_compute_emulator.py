@@ -25,6 +25,7 @@ from localcloud.cloud import LocalCloud, LocalCloudError
 from localcloud.compute.vm import pids_in_namespace
 
 from localcloud.compute.testing import TUTORIAL_IMAGE_KEY, discovery_client, instance_body, wait_operation
+from tests.conftest import poll
 from tests.gcloud import gcloud_runner
 
 # The project and zone the conftest fixtures use.
@@ -813,17 +814,6 @@ def instance_or_none(discovery, name: str) -> dict | None:
         if exc.resp.status == 404:
             return None
         raise
-
-
-def poll(condition, timeout: float, interval: float = 0.1):
-    """The first truthy value of `condition()`, polled every `interval` for up to `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not true after {timeout}s: {condition}"
-        time.sleep(interval)
 
 
 def test_time_limits_are_validated_like_the_api(compute_cloud, compute_discovery):

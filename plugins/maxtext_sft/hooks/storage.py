@@ -15,10 +15,10 @@ from google.api_core.exceptions import PreconditionFailed
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from maxtext_sft.hooks.endpoints import endpoint_override
+from maxtext_sft.run_names import ORBAX_COMMIT_MARKER
 
 API_PATH = "storage/v1/"
-# Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
-ORBAX_COMMIT_MARKER = "commit_success.txt"
+__all__ = ["ORBAX_COMMIT_MARKER", "StorageEndpointHook", "split_gcs_uri"]
 
 
 def split_gcs_uri(uri: str) -> tuple[str, str]:

@@ -6,17 +6,13 @@ import time
 from collections.abc import Sequence
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
+from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.instances import LIVE_STATUSES
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
-from maxtext_sft.vm_access import run_vm_step
+from maxtext_sft.vm_access import run_vm_step, run_vm_steps
 from maxtext_sft.vm_remake import VmRemake
-from maxtext_sft.vm_steps import STEPS
-
-# What a step needs done on a VM made again before it runs: the earlier steps' work lives on the
-# VM's disk (the MaxText venv; the converted checkpoint, unless it is in the shared cache).
-STEPS_BEFORE = {"install": (), "convert": ("install",), "start_training": ("install", "convert"), "export": ("install",)}
+from maxtext_sft.vm_steps import STEPS, STEPS_BEFORE
 
 
 class VmScriptOperator(RunTaskOperator):
@@ -97,10 +93,10 @@ class VmScriptOperator(RunTaskOperator):
                 f"VM {spec.vm_name} is gone and with it the final checkpoint (no output_location): "
                 "clear start_training and the tasks after it to train again"
             )
-        marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
-        if not StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
+        if not StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(spec.final_commit_marker_uri):
             raise AirflowFailException(
-                f"VM {spec.vm_name} is gone and the final checkpoint is not committed in storage ({marker}): "
+                f"VM {spec.vm_name} is gone and the final checkpoint is not committed in storage "
+                f"({spec.final_commit_marker_uri}): "
                 "clear start_training and the tasks after it to train again"
             )
 
@@ -127,9 +123,8 @@ class VmScriptOperator(RunTaskOperator):
 
     def _steps_before(self) -> dict:
         """Run the earlier steps this one needs on the new VM, each timed; return what they reported."""
-        reported: dict = {}
-        for step in STEPS_BEFORE.get(self.step, ("install",)):
-            started = time.monotonic()
-            reported |= self._on_vm(step, {}) or {}
-            self.log.info("On the new VM: %s took %.1f s", step, time.monotonic() - started)
+        reported, _ = run_vm_steps(
+            STEPS_BEFORE.get(self.step, ("install",)), self.run_spec, {}, what="On the new VM",
+            gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log,
+        )
         return reported

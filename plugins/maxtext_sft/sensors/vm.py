@@ -11,7 +11,6 @@ from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE, final_loss_text
 from maxtext_sft.run_task import RunTaskOperator
@@ -126,6 +125,16 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     def _recover_gone_vm(self, context, spec: RunSpec) -> None:
         self._recover(context, spec, f"VM {spec.vm_name} no longer exists: {VM_GONE}")
 
+    def _vm_gone(self, context, spec: RunSpec) -> bool | PokeReturnValue:
+        """The poke's answer when the VM is gone: done if its training had finished, else recovered."""
+        if finished := self._finished_in_storage(spec):
+            return finished
+        self._recover_gone_vm(context, spec)
+        return False
+
+    def _vm_status(self, spec: RunSpec) -> str | None:
+        return VmRemake(spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, log=self.log).status()
+
     def _finished_in_storage(self, spec: RunSpec) -> PokeReturnValue | None:
         """With the VM lost, the training may still have finished: its final step committed in
         storage (a VM stopped by its autostop after the training ended, or deleted since). Then
@@ -133,10 +142,9 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         to storage as the training exited (None if they are not there)."""
         if not spec.durable:
             return None
-        marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
-        if not StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
-            return None
         storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
+        if not storage.uri_exists(spec.final_commit_marker_uri):
+            return None
         final_loss = None
         if storage.uri_exists(spec.training_steps_uri):
             final_loss = final_loss_text(storage.read_text(spec.training_steps_uri).splitlines(), spec.steps)
@@ -148,7 +156,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         }
         self.log.warning(
             "VM %s is lost, but the training had finished: %s is committed; final loss %s (from %s)",
-            spec.vm_name, marker, final_loss, spec.training_steps_uri,
+            spec.vm_name, spec.final_commit_marker_uri, final_loss, spec.training_steps_uri,
         )
         return PokeReturnValue(is_done=True, xcom_value=result)
 
@@ -171,10 +179,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
                     on_line=output.append,
                 )
         except NotFound:
-            if finished := self._finished_in_storage(spec):
-                return finished
-            self._recover_gone_vm(context, spec)
-            return False
+            return self._vm_gone(context, spec)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
             return self._unreachable(context, spec, error)
@@ -219,7 +224,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             return False
         if state == "exited" and fields.get("exit_code") == "0":
             # The checkpoints are in storage: the process is done, is its final step committed?
-            marker = f"{spec.checkpoints_dir}/{spec.steps}/{ORBAX_COMMIT_MARKER}"
+            marker = spec.final_commit_marker_uri
             if StorageEndpointHook(gcp_conn_id=self.gcp_conn_id).uri_exists(marker):
                 self.log.info("Final checkpoint committed in storage: %s", marker)
                 state = "succeeded"
@@ -290,13 +295,12 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         vm_remake.SSH_WAIT_SECONDS from its insert to boot; any other VM is lost once it answered
         nothing for unreachable_timeout_seconds. A lost VM is replaced and its training resumed,
         or the run fails (and delete_vm deletes it)."""
-        status = VmRemake(spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, log=self.log).status()
-        if status in (None, "TERMINATED"):
+        status = self._vm_status(spec)
+        if status is None:
+            return self._vm_gone(context, spec)
+        if status == "TERMINATED":
             if finished := self._finished_in_storage(spec):
                 return finished
-            if status is None:
-                self._recover_gone_vm(context, spec)
-                return False
             self._stop_clock(context, "unreachable_since")
             self._recover(context, spec, f"VM {spec.vm_name} is stopped (TERMINATED: its guest shut down, or the "
                           "cloud stopped it)", replace=True)
@@ -337,10 +341,8 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         its guest shuts down (the workload may be killed before sshd), then gone or TERMINATED
         (cloud.google.com/compute/docs/instances/instance-life-cycle): that is a lost VM, not a
         failed training, and the next poke finds out which."""
-        hook = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id)
-        try:
-            status = hook.get_instance(resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id).status
-        except NotFound:
+        status = self._vm_status(spec)
+        if status is None:
             self._recover_gone_vm(context, spec)
             return True
         if status == "RUNNING":
