@@ -40,7 +40,9 @@ export TPU_CHIPS_PER_HOST_BOUNDS="$chips_per_host_bounds" TPU_HOST_BOUNDS=1,1,1
 # shellcheck disable=SC2016
 setsid nohup bash -c '
   job_dir=$1 scripts=$2 work_dir=$3 run_name=$4 step_lines_uri=$5; shift 5
-  python3 -m maxtext.trainers.post_train.sft.train_sft "$@" >>"$job_dir/train.log" 2>&1
+  # PYTHONFAULTHANDLER: a crash in native code (exit 139, SIGSEGV) prints the Python stack of
+  # every thread into the log, which names where it happened.
+  PYTHONFAULTHANDLER=1 python3 -m maxtext.trainers.post_train.sft.train_sft "$@" >>"$job_dir/train.log" 2>&1
   status=$?
   if [ -n "$step_lines_uri" ]; then
     # The copy logs to a file of its own: the training log is what the sensor streams.

@@ -31,6 +31,7 @@ class Fault:
     outcome: str = "failed"
     failed_task: str | None = None
     cause: str = ""  # text the run's error must contain
+    log: str = ""  # text the run's task logs must contain
     tries: int | None = None  # create_vm's tries, when the case is about them
     # The cloud deletes the VM (as a preemption does) once its training log has this text, up to
     # `preemptions` times; the MaxText faults are lifted after the last one.
@@ -129,6 +130,14 @@ MATRIX = [
         maxtext={"train_sft": {"crash_at_step": 4}},
         failed_task="wait_for_final_checkpoint",
         cause="training exited with code 1 after step 3",
+    ),
+    Fault(
+        "training dies in native code (SIGSEGV)",
+        maxtext={"train_sft": {"segfault_at_step": 4}},
+        failed_task="wait_for_final_checkpoint",
+        # The signal is named, and the fault handler's stack of the crashed step is in the log.
+        cause="training exited with code 139 (killed by SIGSEGV) after step 3",
+        log="Fatal Python error: Segmentation fault",
     ),
     Fault(
         "training stalls",
@@ -269,6 +278,7 @@ def test_fault(fault, run_pipeline, local_cloud):
         assert run.task_states[fault.failed_task] == "failed", run.report()
         assert run.task_states["delete_vm"] in ("success", "skipped"), run.report()
         assert fault.cause in error, error[:3000]
+        assert fault.log in run.log, run.log[-3000:]
 
 
 def assert_resumed_after_last_checkpoint(run, cloud, *, checkpoint: int, steps: int, recoveries: int) -> None:

@@ -10,7 +10,8 @@ silently. All keys are optional:
 
     {
       "seconds_per_step": 0.02,              # time one training step takes
-      "train_sft": {"crash_at_step": 7},     # or "stall_at_step" / "out_of_data_at_step" /
+      "train_sft": {"crash_at_step": 7},     # or "segfault_at_step" / "stall_at_step" /
+                                             #    "out_of_data_at_step" /
                                              #    "partial_checkpoint_at_step" /
                                              #    "partial_checkpoint_exit_at_step" /
                                              #    "loss_nan_from_step"
@@ -26,6 +27,8 @@ model.safetensors, like a small model's.
 For a train_sft fault at step k (only steps this run actually trains count):
   crash_at_step       the step fails after the log line of step k-1 is written:
                       a Python traceback, exit 1, no checkpoint k.
+  segfault_at_step    at the same point the process dies of SIGSEGV (a crash in native
+                      code, as JAX or a data loader can): no Python exception, exit 139.
   stall_at_step       at the same point the process stops logging and sleeps
                       forever (a hung TPU job).
   out_of_data_at_step the batch for step k is missing: MaxText's "You may have
@@ -89,6 +92,7 @@ def log(message, where="max_logging.py:23", level="I"):
 _FAULT_KEYS = {
     "train_sft": {
         "crash_at_step",
+        "segfault_at_step",
         "stall_at_step",
         "out_of_data_at_step",
         "partial_checkpoint_at_step",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import time
 from datetime import timedelta
 from typing import Any
@@ -252,7 +253,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             elif spec.durable:
                 cause += f": step {spec.steps} has no {ORBAX_COMMIT_MARKER} in storage"
         else:
-            cause = f"training exited with code {fields.get('exit_code')} after step {fields.get('last_step')}"
+            cause = f"training {_exit_text(fields.get('exit_code'))} after step {fields.get('last_step')}"
         raise AirflowFailException(
             f"Training {spec.run_name} on {spec.vm_name} ended without its final checkpoint "
             f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
@@ -362,6 +363,17 @@ class _LocalStore(dict):
 
     def delete(self, key: str) -> None:
         self.pop(key, None)
+
+
+def _exit_text(exit_code: str | None) -> str:
+    """bash reports a process killed by signal N as exit code 128+N: name the signal."""
+    text = f"exited with code {exit_code}"
+    if exit_code and exit_code.isdigit() and 128 < int(exit_code) < 128 + signal.NSIG:
+        try:
+            text += f" (killed by {signal.Signals(int(exit_code) - 128).name})"
+        except ValueError:
+            pass
+    return text
 
 
 def _tail_start(output: list[str]) -> int:

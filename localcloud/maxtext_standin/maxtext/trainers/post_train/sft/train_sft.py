@@ -21,6 +21,7 @@ maxtext/_standin.py.
 
 import glob
 import os
+import signal
 import socket
 import sys
 import time
@@ -35,6 +36,8 @@ class XlaRuntimeError(RuntimeError):
 def _run_train_step(step, fault):
     if fault.get("crash_at_step") == step:
         raise XlaRuntimeError(f"INTERNAL: stand-in fault injected at step {step} (crash_at_step)")
+    if fault.get("segfault_at_step") == step:
+        os.kill(os.getpid(), signal.SIGSEGV)
     if fault.get("stall_at_step") == step:
         while True:  # a hung job: alive, silent, until someone kills it
             time.sleep(3600)
