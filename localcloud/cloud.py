@@ -41,13 +41,18 @@ from localcloud.service import Service, ServiceError as LocalCloudError
 
 
 
+# What gcloud on a VM authenticates with (its service account, as the metadata server would give it).
+VM_ACCESS_TOKEN = "localcloud-vm-service-account"
+VM_SERVICE_ACCOUNT_EMAIL = "localcloud-vm@local-project.iam.gserviceaccount.com"
+
+
 def storage_env(storage_url: str) -> dict[str, str]:
     """Environment variables that point every Cloud Storage client at the emulator at
     `storage_url` ("http://127.0.0.1:PORT"), with no credentials to find."""
     return {
         # gcloud storage: the JSON API endpoint, and a token instead of a service account.
         "CLOUDSDK_API_ENDPOINT_OVERRIDES_STORAGE": f"{storage_url}/storage/v1/",
-        "CLOUDSDK_AUTH_ACCESS_TOKEN": "localcloud-vm-service-account",
+        "CLOUDSDK_AUTH_ACCESS_TOKEN": VM_ACCESS_TOKEN,
         "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
         # google-cloud-storage (anonymous credentials then), gcsfs, the MaxText stand-in.
         "STORAGE_EMULATOR_HOST": storage_url,
@@ -193,7 +198,8 @@ class LocalCloud:
     @property
     def vm_env(self) -> dict[str, str]:
         """The environment every VM's SSH sessions get (see `storage_env`), plus `vm_env` extras."""
-        return {**storage_env(self.storage_url), **self.extra_vm_env}
+        # HF_ENDPOINT: huggingface_hub's (and the rehearsal's curl checks') Hub, as on any machine.
+        return {**storage_env(self.storage_url), "HF_ENDPOINT": self.hub.endpoint, **self.extra_vm_env}
 
     def storage_requests(self) -> list[dict]:
         """The storage emulator's request log: [{time, method, path, query, status}]."""
@@ -206,6 +212,16 @@ class LocalCloud:
         """Replace the storage emulator's fault rules: [{"method": "PUT", "path_regex": "/upload/",
         "status": 503, "count": 1}]; a matching request gets that error, `count` times or always."""
         return self._control("POST", "faults", {"rules": rules}, base=self.storage_url)["rules"]
+
+    def deny_vm_writes(self, bucket: str, principal: str = VM_SERVICE_ACCOUNT_EMAIL) -> None:
+        """The VMs' service account may not create objects in `bucket` (no role on it): gcloud on
+        a VM (its token, VM_ACCESS_TOKEN) is refused with the API's 403; the workers are not."""
+        self._control("POST", "faults", {"denials": [
+            {"token": VM_ACCESS_TOKEN, "principal": principal, "bucket": bucket}]}, base=self.storage_url)
+
+    def allow_vm_writes(self) -> None:
+        """Lift every deny_vm_writes."""
+        self._control("POST", "faults", {"denials": []}, base=self.storage_url)
 
     def create_bucket(self, name: str, *, exist_ok: bool = False) -> dict:
         """Create bucket `name` through the JSON API; returns the bucket resource."""

@@ -10,7 +10,8 @@ google-cloud-storage, gcsfs and tensorstore use.
     /upload/storage/v1/b/B/o?uploadType=media|multipart|resumable
     /download/storage/v1/b/B/o/O?alt=media                 (Range requests too)
     /_localcloud/requests                                  GET: the request log; DELETE: clear it
-    /_localcloud/faults                                    GET, POST: error injection rules
+    /_localcloud/faults                                    GET, POST: error injection rules and
+                                                           IAM denials (a principal lacking a role)
 
 Links in responses (selfLink, mediaLink, resumable session URLs) use the request's Host.
 """
@@ -121,6 +122,7 @@ class StorageApi:
         self.store, self.request_log = store, request_log
         self.sessions: dict[str, dict] = {}
         self.faults: list[dict] = []
+        self.denials: list[dict] = []
         self.sessions_lock = threading.Lock()  # guards sessions and faults
 
     def handle(self, req: Request) -> Response:
@@ -132,6 +134,8 @@ class StorageApi:
         try:
             if self.faults and (fault := self._fault(req)):
                 raise fault
+            if self.denials and (denied := self._denied(req)):
+                raise denied
             for method, pattern, name in _ROUTES:
                 match = pattern.fullmatch(req.path)
                 if match and method == req.method:
@@ -162,20 +166,59 @@ class StorageApi:
             if req.method == "POST":
                 self._set_faults(req.json())
             with self.sessions_lock:
-                return Response(200, {"rules": self.faults})
+                return Response(200, {"rules": self.faults, "denials": self.denials})
         raise GcsError(404, "notFound", f"No control endpoint {req.method} {req.path}.")
 
     def _set_faults(self, body: dict) -> None:
         """{"rules": [{"method": "PUT", "path_regex": "...", "status": 503, "count": 1}]}, replacing
-        the rules: a matching API request gets that error (count times, or always)."""
+        the rules: a matching API request gets that error (count times, or always).
+        "denials": [{"token": T, "principal": EMAIL, "bucket": B}] (replaced likewise; a list not
+        given is kept): a
+        request carrying `Authorization: Bearer T` may not create objects in bucket B, as when the
+        account EMAIL has no role granting storage.objects.create on it."""
+        denials = body.get("denials", [])
+        for denial in denials if isinstance(denials, list) else [None]:
+            if not isinstance(denial, dict) or set(denial) != {"token", "principal", "bucket"} or \
+                    not all(isinstance(v, str) and v for v in denial.values()):
+                raise invalid(f"Bad denial {denial!r}: keys token, principal, bucket (strings).")
         rules = body.get("rules", [])
         for rule in rules if isinstance(rules, list) else [None]:
             if not isinstance(rule, dict) or not set(rule) <= {"method", "path_regex", "status", "count"} or \
                     not isinstance(rule.get("status"), int) or not 400 <= rule["status"] <= 599:
                 raise invalid(f"Bad fault rule {rule!r}: keys method, path_regex, status (400-599), count.")
             re.compile(rule.get("path_regex", ""))
+        with self.sessions_lock:  # each list is replaced only when given
+            if "rules" in body:
+                self.faults = [dict(rule) for rule in rules]
+            if "denials" in body:
+                self.denials = [dict(denial) for denial in denials]
+
+    # Object creation: uploads, and the copies and composes that write a new object.
+    _CREATES = re.compile(r"/upload/storage/v1/b/(?P<bucket>[^/]+)/o|"
+                          r"/storage/v1/b/[^/]+/o/[^/]+/(copyTo|rewriteTo)/b/(?P<target>[^/]+)/o/[^/]+|"
+                          r"/storage/v1/b/(?P<composed>[^/]+)/o/[^/]+/compose")
+
+    def _denied(self, req: Request) -> GcsError | None:
+        """A create by a denied principal: 403 forbidden in the API's words. The message is the
+        one Cloud Storage gives a principal without the permission, e.g. "<account> does not have
+        storage.objects.create access to the Google Cloud Storage object. Permission
+        'storage.objects.create' denied on resource (or it may not exist)." (googleapis/
+        google-cloud-php#1206 for objects; the whole body, for buckets.create, in
+        data-integrations/google-cloud#1503)."""
+        match = self._CREATES.fullmatch(req.path) if req.method == "POST" else None
+        if not match:
+            return None
+        bucket = unquote(match.group("bucket") or match.group("target") or match.group("composed"))
+        token = (req.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
         with self.sessions_lock:
-            self.faults = [dict(rule) for rule in rules]
+            for denial in self.denials:
+                if denial["token"] == token and denial["bucket"] == bucket:
+                    return GcsError(
+                        403, "forbidden",
+                        f"{denial['principal']} does not have storage.objects.create access to the Google Cloud "
+                        "Storage object. Permission 'storage.objects.create' denied on resource (or it may not exist).",
+                    )
+        return None
 
     def _fault(self, req: Request) -> GcsError | None:
         with self.sessions_lock:

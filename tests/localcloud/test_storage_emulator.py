@@ -24,7 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from localcloud import images
-from localcloud.cloud import storage_env
+from localcloud.cloud import VM_SERVICE_ACCOUNT_EMAIL, storage_env
 from tests.localcloud.test_compute_emulator import ssh, ssh_keys_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,7 +293,7 @@ def test_fault_rules(cloud, bucket_name):
         assert (first[0], second[0], third[0]) == (503, 503, 200)
         assert json.loads(first[2])["error"]["code"] == 503
         assert [r["status"] for r in logged(cloud, "GET", path)] == [503, 503, 200]
-        assert api(cloud, "GET", "/_localcloud/faults")[2] == b'{\n "rules": []\n}'
+        assert json.loads(api(cloud, "GET", "/_localcloud/faults")[2]) == {"rules": [], "denials": []}
         status, _, _ = api(cloud, "POST", "/_localcloud/faults", json.dumps({"rules": [{"status": 200}]}).encode())
         assert status == 400
     finally:
@@ -313,6 +313,28 @@ def gcloud(env: dict, *args: str, check: bool = True) -> subprocess.CompletedPro
     if check:
         assert result.returncode == 0, f"gcloud storage {' '.join(args)}: {result.stderr[-3000:]}"
     return result
+
+
+def test_a_vm_service_account_without_a_role_on_the_bucket_is_refused_by_gcloud(cloud, bucket_name, tmp_path):
+    # gcloud as a VM runs it (the VM's token) is refused what the workers may still do.
+    vm = gcloud_env(cloud, tmp_path / "gcloud-config")
+    (tmp_path / "probe").write_text("probe\n")
+    gcloud(vm, "cp", str(tmp_path / "probe"), f"gs://{bucket_name}/before.txt")
+    try:
+        cloud.deny_vm_writes(bucket_name)
+        refused = gcloud(vm, "cp", str(tmp_path / "probe"), f"gs://{bucket_name}/probe.txt", check=False)
+        assert refused.returncode != 0
+        assert (f"{VM_SERVICE_ACCOUNT_EMAIL} does not have storage.objects.create access to the Google Cloud "
+                "Storage object") in refused.stderr, refused.stderr
+        assert [r["status"] for r in uploads(cloud)][-1] == 403
+        assert gcloud(vm, "cat", f"gs://{bucket_name}/before.txt").stdout == "probe\n"  # reads still work
+        worker = storage.Client(project="p", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": cloud.storage_url})
+        worker.bucket(bucket_name).blob("by-worker.txt").upload_from_string(b"ok")  # another principal
+        other = gcloud(vm, "cp", str(tmp_path / "probe"), f"gs://{bucket_name}-other/x.txt", check=False)
+        assert "does not have storage.objects.create" not in other.stderr  # only that bucket is denied
+    finally:
+        cloud.allow_vm_writes()
 
 
 def uploads(cloud) -> list[dict]:
