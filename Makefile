@@ -1,5 +1,6 @@
 # The commands the README promises:
 #   make run   - the pipeline end to end in the local cloud, through Airflow's real scheduler
+#   make rehearse - the rehearsal DAG (a CPU VM at toy size) end to end in the local cloud
 #   make test  - the test suite
 #   make bench - the benchmark's one table (bench/run.py; BENCH_ARGS="--snapshots 2 --capacity 1" shrinks it)
 # All three build the environment from the lock first (uv pip sync: exactly the locked versions).
@@ -10,7 +11,7 @@ UV_VERSION := 0.13.9
 RUN_CONF ?= {}
 MAXTEXT ?= real
 
-.PHONY: run test bench venv system-deps bytecode lock
+.PHONY: run rehearse test bench venv system-deps bytecode lock
 
 venv: $(VENV)/.synced
 
@@ -55,6 +56,10 @@ bytecode: venv
 
 run: venv system-deps bytecode
 	$(PYTHON) -m localcloud.run_pipeline --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
+
+# The rehearsal DAG (maxtext_sft_rehearsal) end to end in the local cloud, as `run` does the real one.
+rehearse: venv system-deps bytecode
+	$(PYTHON) -m localcloud.run_pipeline --rehearsal --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
 
 # Two pytest-xdist workers (the machine has two cores; much of a test is waiting on a VM, a
 # scheduler or a poll): a file's tests stay on one worker unless the file is marked `spread`

@@ -140,3 +140,10 @@ def real_maxtext_run_conf(
         "train_extra_args": train_extra_args,
         "export_extra_args": toy["extra_args"]["export"],
     }
+# The rehearsal's default boot image (the Params rehearsal_image_project/family): the public
+# Ubuntu family, which the local cloud serves with one of its images.
+REHEARSAL_IMAGE_KEY = "ubuntu-os-cloud/ubuntu-2204-lts"
+# The rehearsal's run conf in the local cloud, over LOCAL_RUN_CONF: outputs to the local bucket
+# and Hub, and no profiler (jaxlib writes its traces to gs:// with its own C++ client, which only
+# talks to storage.googleapis.com: see real_maxtext_run_conf). The kit brings the toy inputs.
+LOCAL_REHEARSAL_CONF = {**LOCAL_OUTPUTS_CONF, "steps": 3, "train_extra_args": ["profiler=''"]}

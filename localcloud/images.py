@@ -16,10 +16,13 @@ Kinds:
                                 localcloud/image_recipes/ (CPU torch, no TPU/CUDA packages)
           skel/maxtext_venv ->  <image>/maxtext_venv (absolute symlink: a new VM user's home
                                 gets the link, not 6 GB of copies)
-          toy/                  made by image_recipes/make_toy_inputs.py with the venv's python
+          toy/                  made by the rehearsal kit's include/rehearsal/make_toy_inputs.py
+                                with the venv's python
         The venv's site-packages has localcloud_toy.pth + toy_site.py (image_recipes/toy_site.py):
-        offline Hugging Face defaults, MaxText's gemma3-4b HF config shrunk to the toy model, and
-        the export's shard threshold lowered so that the toy export is sharded like a 4B one.
+        offline Hugging Face defaults, and the rehearsal kit's MaxText patches
+        (include/rehearsal/sitecustomize.py, there as maxtext_rehearsal_patches.py) applied to the
+        image's toy: MaxText's gemma3-4b HF config shrunk to the toy model, and the export's shard
+        threshold lowered so that the toy export is sharded like a 4B one.
 
   bare  no MaxText: install_maxtext.sh installs the stand-in for real, offline (build_bare_image).
 
@@ -73,13 +76,15 @@ def check_cache_root(cache_root: Path) -> Path:
     return resolved
 
 
-def _recipe_hash(kind: str, files: list[Path], base: Path, extra: str = "") -> str:
-    """Hash of everything an image is built from: kind, builder version, source files."""
+def _recipe_hash(kind: str, files: list[Path], base: Path | None, extra: str = "") -> str:
+    """Hash of everything an image is built from: kind, builder version, source files (each named
+    by its path under `base`, or with no base by its file name alone: unique names from several
+    folders, as the real image's are)."""
     digest = hashlib.sha256(f"{kind}\n{BUILDER_VERSION}\n{os.path.realpath(SYSTEM_PYTHON)}\n".encode())
     if extra:
         digest.update(f"{extra}\n".encode())
     for path in files:
-        digest.update(f"{path.relative_to(base)}\n".encode())
+        digest.update(f"{path.name if base is None else path.relative_to(base)}\n".encode())
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 
@@ -242,17 +247,22 @@ def build_bare_image(cache_root: Path | None = None) -> Path:
 
 REAL_LOCK = RECIPES_DIR / "real-maxtext.lock"
 REAL_WHEEL_LOCK = RECIPES_DIR / "real-maxtext-wheel.lock"
-TOY_GENERATOR = RECIPES_DIR / "make_toy_inputs.py"
+# The rehearsal kit's (product code, include/rehearsal): the image's toy is made, and MaxText
+# patched for it, exactly as on a rehearsal VM.
+REHEARSAL_DIR = Path(__file__).resolve().parents[1] / "include" / "rehearsal"
+TOY_GENERATOR = REHEARSAL_DIR / "make_toy_inputs.py"
+REHEARSAL_PATCHES = REHEARSAL_DIR / "sitecustomize.py"
+REHEARSAL_PATCHES_MODULE = "maxtext_rehearsal_patches"  # its name in the venv (toy_site imports it)
 TOY_SITE = RECIPES_DIR / "toy_site.py"
 # Bump when _build_real changes in a way that changes the image.
-REAL_BUILDER_VERSION = 1
+REAL_BUILDER_VERSION = 2
 # The CPU build of torch 2.13.0 (Python 3.11) that this machine kind keeps on disk; real-maxtext.lock
 # pins it (PyPI's torch is a multi-GB CUDA build). uv does not look there unless told.
 TORCH_WHEEL_DIR = Path("/opt/wheels")
 
 
 def _real_files() -> list[Path]:
-    return [REAL_LOCK, REAL_WHEEL_LOCK, TOY_GENERATOR, TOY_SITE]
+    return [REAL_LOCK, REAL_WHEEL_LOCK, TOY_GENERATOR, REHEARSAL_PATCHES, TOY_SITE]
 
 
 def _uv() -> str:
@@ -325,8 +335,11 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
     site_packages = Path(subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True).stdout.strip())
-    shutil.copyfile(TOY_SITE, site_packages / "toy_site.py")
-    py_compile.compile(str(site_packages / "toy_site.py"), doraise=True)
+    # Not as sitecustomize.py: Debian's would shadow it, and under that name it would patch for a
+    # kit beside it rather than for the image's toy (toy_site does that).
+    for source, name in ((REHEARSAL_PATCHES, REHEARSAL_PATCHES_MODULE), (TOY_SITE, "toy_site")):
+        shutil.copyfile(source, site_packages / f"{name}.py")
+        py_compile.compile(str(site_packages / f"{name}.py"), doraise=True)
     (site_packages / "localcloud_toy.pth").write_text("import toy_site\n")
 
     skel = image_dir / "skel"
@@ -349,8 +362,9 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
 
 
 def real_recipe() -> str:
-    """The real image's recipe hash: its locks, toy generator and start-up hook, builder version."""
-    return _recipe_hash("real", _real_files(), RECIPES_DIR, extra=f"real-builder {REAL_BUILDER_VERSION}")
+    """The real image's recipe hash: its locks, toy generator, MaxText patches and start-up hook,
+    builder version. Files are named without their folder: moving one changes no image."""
+    return _recipe_hash("real", _real_files(), None, extra=f"real-builder {REAL_BUILDER_VERSION}")
 
 
 def build_real_image(cache_root: Path | None = None) -> Path:

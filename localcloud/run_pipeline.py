@@ -1,6 +1,6 @@
 """Run the pipeline once, end to end, in the local cloud, through Airflow's real scheduler.
 
-    python -m localcloud.run_pipeline [--maxtext real|fast] [--conf '{"steps": 10}']
+    python -m localcloud.run_pipeline [--maxtext real|fast] [--rehearsal] [--conf '{"steps": 10}']
 
 Starts the local cloud (Compute Engine emulator whose VMs are sshd sandboxes on 127.0.0.N, a
 Cloud Storage emulator, a Hugging Face Hub), then Airflow's components as separate processes
@@ -12,6 +12,10 @@ where the outputs went and the run summary; with the real MaxText it then waits 
 downstream sample-generations run the new model started and prints its samples. Everything it
 started is stopped at the end (process groups), and a new run starts from a clean state.
 Exit code 0 only when the run succeeded and no VM is left.
+
+--rehearsal runs `maxtext_sft_rehearsal` instead (`make rehearse`): the same tasks on the
+rehearsal's CPU VM, booting the public Ubuntu family the rehearsal's Params name by default
+(the local cloud serves the real MaxText image under it), and prints the rehearsal's checks.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from localcloud.connections import (
     BARE_IMAGE_KEY,
     LOCAL_RUN_CONF,
     REAL_IMAGE_KEY,
+    REHEARSAL_IMAGE_KEY,
     LOCAL_OUTPUTS_CONF,
+    LOCAL_REHEARSAL_CONF,
     airflow_connection_env,
     generate_ssh_private_key,
     new_hf_token,
@@ -44,6 +50,7 @@ from localcloud.images import TUTORIAL_IMAGE, build_bare_image, build_fast_image
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "run"
 DAG_ID = "maxtext_sft"
+REHEARSAL_DAG_ID = "maxtext_sft_rehearsal"
 SAMPLES_DAG_ID = "maxtext_sft_sample_generations"  # scheduled on the tuned-model Asset
 
 
@@ -95,6 +102,10 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
         print(f"  VM lifetime {vm['lifetime_seconds']} s, {vm['vm_hours']} VM-hours, "
               f"estimated ${vm['estimated_cost_usd']} at ${vm['hourly_price_usd']}/h")
         print(f"  final step {summary['final_step']}, loss {summary['final_loss']}; warnings: {summary['warnings']}")
+        if "rehearsal_checks" in summary:
+            print("\nRehearsal checks (the run summary's):")
+            for row in summary["rehearsal_checks"]:
+                print(f"  {row['result']:<8} {row['check']:<26} {row['detail'] or row['proves']}")
     return run["state"] == "success" and not left
 
 
@@ -129,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         default="real",
         help="real: MaxText 0.2.2 at toy size (default); fast: the stand-in used by the fault tests",
     )
+    parser.add_argument("--rehearsal", action="store_true", help=f"run {REHEARSAL_DAG_ID} (the CPU-VM rehearsal)")
     args = parser.parse_args(argv)
+    dag_id = REHEARSAL_DAG_ID if args.rehearsal else DAG_ID
     # SIGTERM unwinds like Ctrl-C, so the finally below stops Airflow and the local cloud.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
@@ -144,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image, BARE_IMAGE_KEY: build_bare_image()})
     if args.maxtext == "real":
         real_image = build_real_image()
-        base_conf = real_maxtext_run_conf(real_image, outputs=True)
+        # The rehearsal brings its own toy (its kit) and reads the Hub's model and dataset.
+        base_conf = {**LOCAL_RUN_CONF, **LOCAL_REHEARSAL_CONF} if args.rehearsal else real_maxtext_run_conf(
+            real_image, outputs=True)
     else:
         base_conf = {**LOCAL_RUN_CONF, **LOCAL_OUTPUTS_CONF}
     conf = {**base_conf, **json.loads(args.conf)}
@@ -153,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         cloud.start()
         if args.maxtext == "real":
             cloud.add_image(REAL_IMAGE_KEY, real_image)
+        cloud.add_image(REHEARSAL_IMAGE_KEY, real_image if args.maxtext == "real" else fast_image)
         hf_token = new_hf_token()
         prepare_local_cloud(cloud, hf_token)
         env = {**os.environ, **airflow_connection_env(cloud, generate_ssh_private_key(), hf_token)}
@@ -160,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             env["AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON"] = str(real_image / "maxtext_venv" / "bin" / "python3")
         print(f"Compute Engine emulator: {cloud.compute_endpoint}", flush=True)
         print(f"Cloud Storage emulator: {cloud.storage_endpoint}; Hugging Face Hub: {cloud.hub.endpoint}", flush=True)
-        airflow = Airflow(STATE / "airflow-home", env, dag_id=DAG_ID)
+        airflow = Airflow(STATE / "airflow-home", env, dag_id=dag_id)
         print("Starting Airflow (api-server, scheduler, dag-processor, triggerer; SQLite) ...", flush=True)
         airflow.start()
-        print(f"Airflow API on http://127.0.0.1:{airflow.port}; triggering {DAG_ID} with conf {json.dumps(conf)}")
+        print(f"Airflow API on http://127.0.0.1:{airflow.port}; triggering {dag_id} with conf {json.dumps(conf)}")
         run_id = airflow.trigger(conf)
         run = airflow.run(run_id)
         deadline = time.monotonic() + args.timeout
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {time.monotonic() - started:6.0f} s  {', '.join(running) or '...'}", flush=True)
                 last = running
         ok = report(airflow, run, cloud, started)
-        if ok and args.maxtext == "real":  # the stand-in's export is not a model transformers loads
+        if ok and args.maxtext == "real" and not args.rehearsal:  # the stand-in's export is not a model transformers loads
             ok = report_samples(airflow, timeout=600)
         print(f"\nTask logs: {airflow.home / 'logs'}")
         return 0 if ok else 1

@@ -18,6 +18,7 @@ import pytest
 from localcloud.cloud import LocalCloud, LocalCloudError
 from localcloud.connections import (
     BARE_IMAGE_KEY,
+    REHEARSAL_IMAGE_KEY,
     airflow_connection_env,
     generate_ssh_private_key,
     new_hf_token,
@@ -159,7 +160,9 @@ def postgres_url(postgres_server) -> str:
 
 @pytest.fixture(scope="session")
 def local_cloud(tmp_path_factory):
-    images = {TUTORIAL_IMAGE: build_fast_image(), BARE_IMAGE_KEY: build_bare_image()}
+    fast = build_fast_image()
+    # The rehearsal's public Ubuntu family boots the fast image too (tests of its real run add theirs).
+    images = {TUTORIAL_IMAGE: fast, BARE_IMAGE_KEY: build_bare_image(), REHEARSAL_IMAGE_KEY: fast}
     state = tmp_path_factory.mktemp("cloud")
     with LocalCloud(state, images=images, keep_deleted_shm=True) as cloud:
         yield cloud

@@ -17,6 +17,17 @@ activate_maxtext_venv() {
   fi
   # shellcheck disable=SC1091
   source "$venv/bin/activate"
+  # Only the rehearsal makes a kit (prepare_rehearsal.sh): its presence makes this VM a rehearsal
+  # VM, whose MaxText runs at toy size. The kit's sitecustomize.py patches MaxText for the toy at
+  # every start of Python; PYTHONPATH comes before the standard library, so it wins over a
+  # distribution's own sitecustomize.py.
+  local kit_site="$1/rehearsal-kit/site"
+  if [ -f "$kit_site/sitecustomize.py" ]; then
+    case ":${PYTHONPATH:-}:" in
+      *":$kit_site:"*) ;;
+      *) export PYTHONPATH="$kit_site${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
+  fi
 }
 
 # The Hugging Face token arrives on stdin (first line) so it never shows in a command line;

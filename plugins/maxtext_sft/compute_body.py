@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# The insert-body fields in which a rehearsal's VM differs from the real run's (paths in the body).
+REHEARSAL_FIELDS = (
+    "machine_type",
+    "disks[0].initialize_params.source_image",
+    "reservation_affinity",
+    "scheduling.provisioning_model",
+)
+
 
 class ComputeInstanceBody:
     """The VM's insert request."""
@@ -21,7 +29,7 @@ class ComputeInstanceBody:
         camelCase. URLs are partial: the client library resolves them against its endpoint.
         """
         project, zone = self.project_id, self.zone
-        return {
+        body = {
             "name": self.vm_name,  # per DAG run, instead of the tutorial's fixed NAME
             "machine_type": f"projects/{project}/zones/{zone}/machineTypes/{self.machine_type}",
             "can_ip_forward": False,
@@ -94,3 +102,17 @@ class ComputeInstanceBody:
                 {"email": self.service_account, "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
             ],
         }
+        return self._as_rehearsal(body) if self.rehearsal else body
+
+    def _as_rehearsal(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The rehearsal's VM: the same request but for what makes it a cheap CPU VM (REHEARSAL_FIELDS);
+        the disk, network, labels, metadata, service account and lifetime stay the real run's."""
+        project, zone = self.project_id, self.zone
+        body["machine_type"] = f"projects/{project}/zones/{zone}/machineTypes/{self.rehearsal_machine_type}"
+        body["disks"][0]["initialize_params"]["source_image"] = (
+            f"projects/{self.rehearsal_image_project}/zones/-/imageFamilyViews/{self.rehearsal_image_family}"
+        )
+        # Consumes no reservation (not even an automatically consumed one); on demand.
+        body["reservation_affinity"] = {"consume_reservation_type": "NO_RESERVATION"}
+        body["scheduling"]["provisioning_model"] = "STANDARD"
+        return body

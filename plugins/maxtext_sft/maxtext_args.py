@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from maxtext_sft.catalog import TPU_TOPOLOGIES
+from maxtext_sft.rehearsal_kit import toy_args
 from maxtext_sft.run_params import SpecError
 
 # MaxText arguments the pipeline itself sets; extra args may not override them.
@@ -97,8 +98,13 @@ class MaxTextCommandLines:
             f"checkpoint_storage_use_ocdbt={zarr_ocdbt}",
             f"--lazy_load_tensors={self.lazy_load_tensors}",
             *([f"--revision={self.model_revision}"] if self.model_revision else []),
+            *self._toy("convert"),
             *self.convert_extra_args,
         ]
+
+    def _toy(self, step: str) -> list[str]:
+        """A rehearsal's extra arguments for `step`: its toy kit on the VM (rehearsal_kit.py)."""
+        return toy_args(self.work_dir)[step] if self.rehearsal else []
 
     def train_args(self, base_checkpoint: str | None = None, *, resuming: bool = False) -> list[str]:
         """train_sft's arguments; `base_checkpoint` is the converted checkpoint the convert step reported.
@@ -111,7 +117,11 @@ class MaxTextCommandLines:
         columns = "[" + ", ".join(f"'{c}'" for c in self.train_data_columns) + "]"
         split = [f"train_split={self.train_split}"]
         hf_path = self.dataset_name
-        if self.bucket_dataset:
+        if self.rehearsal:
+            # The toy dataset of the kit; the run's own dataset is only read (preflight, check_vm_access).
+            kit_dataset = toy_args(self.work_dir)["dataset"]
+            hf_path, split = kit_dataset["path"], [f"train_split={kit_dataset['split']}"]
+        elif self.bucket_dataset:
             # `datasets`' parquet builder reads the bucket's files (gcsfs); as with a pinned Hub
             # revision, the split's files are named and `datasets` calls their split "train".
             hf_path = "parquet"
@@ -136,6 +146,7 @@ class MaxTextCommandLines:
             *split,
             f"train_data_columns={columns}",
             "profiler=xplane",
+            *self._toy("train"),
             *self.train_extra_args,
             *(["profiler=''"] if resuming else []),
         ]
@@ -148,5 +159,6 @@ class MaxTextCommandLines:
             "scan_layers=True",
             "use_multimodal=False",
             "weight_dtype=bfloat16",
+            *self._toy("export"),
             *self.export_extra_args,
         ]

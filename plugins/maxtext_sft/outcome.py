@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from airflow.sdk import task
 from airflow.sdk.exceptions import AirflowFailException
-
-
-# XCom key under which a failed task leaves its error for check_run_outcome.
-FAILURE_KEY = "failure"
+from maxtext_sft.run_summary import FAILURE_KEY
 
 
 def record_failure(context) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from airflow.sdk import Param
-from maxtext_sft.run_params import Declared, declared, form_schema
+from maxtext_sft.run_params import REHEARSAL_DEFAULTS, Declared, all_params, declared, form_schema
 
 
 def airflow_params(table: Iterable[Declared] | None = None) -> dict[str, Param]:
@@ -21,8 +21,11 @@ def airflow_params(table: Iterable[Declared] | None = None) -> dict[str, Param]:
     }
 
 
-def pipeline_params() -> dict[str, Param]:
-    return airflow_params()
+def pipeline_params(rehearsal: bool = False) -> dict[str, Param]:
+    """The fine-tune DAG's Params; with `rehearsal`, its rehearsal's (the CPU VM's, a few steps)."""
+    if not rehearsal:
+        return airflow_params()
+    return with_defaults(airflow_params(all_params(rehearsal=True)), REHEARSAL_DEFAULTS)
 
 
 def with_defaults(params: dict[str, Param], values: dict) -> dict[str, Param]:

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from airflow.providers.standard.operators.empty import EmptyOperator
-from airflow.sdk import DAG, Param, task
+from airflow.sdk import DAG, Param, chain, task
 from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, capacity_reads, task_defaults
 from maxtext_sft.lineage import TUNED_MODEL
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
@@ -52,8 +52,13 @@ def fine_tune_dag(
     owner: str = "ml-platform",
     on_failure_callback: Callable | None = None,
     doc_md: str | None = None,
+    rehearsal: bool = False,
 ) -> DAG:
-    """A DAG that runs the fine-tune with these Param defaults on this schedule."""
+    """A DAG that runs the fine-tune with these Param defaults on this schedule.
+
+    `rehearsal`: the same tasks on a cheap on-demand CPU VM (rehearsal_machine_type, no
+    reservation), at toy size (the kit prepare_rehearsal makes on the VM), plus the checks from
+    the VM (check_vm_access); its run summary lists what each check proved."""
     with DAG(
         dag_id=dag_id,
         description=description,
@@ -76,16 +81,18 @@ def fine_tune_dag(
         ),
         doc_md=doc_md or __doc__,
     ) as dag:
-        _add_fine_tune_tasks()
+        _add_fine_tune_tasks(rehearsal)
     return dag
 
 
-def _add_fine_tune_tasks() -> None:
+def _add_fine_tune_tasks(rehearsal: bool) -> None:
     @task(multiple_outputs=True)
     def plan_run(**context):
         """Validate Params and connections; derive names and paths; pin the dataset snapshot.
         Bad input fails at once (no retries); nothing is paid for yet."""
-        return plan(context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID)
+        return plan(
+            context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID, rehearsal=rehearsal
+        )
 
     run = plan_run()
 
@@ -126,12 +133,26 @@ def _add_fine_tune_tasks() -> None:
         gcp_conn_id=GCP_CONN_ID,
         retry_exponential_backoff=True,  # 5xx errors clear up over minutes
     )
+    # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
+    # sensor's timeout only backs it up.
     wait_for_ssh = VmSshReadySensor(
-        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=600, **vm_connections
+        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, **vm_connections
     )
 
     # 2. Install MaxText.
     install_maxtext = VmScriptOperator(task_id="install_maxtext", step="install", spec=run["spec"], **step_connections)
+
+    # The rehearsal: what the VM itself reaches (bucket, Hub), and the toy inputs it trains on.
+    if rehearsal:
+        check_vm_access = VmScriptOperator(
+            task_id="check_vm_access", step="check_vm_access", spec=run["spec"], **step_connections
+        )
+        prepare_rehearsal = VmScriptOperator(
+            task_id="prepare_rehearsal", step="prepare_rehearsal", spec=run["spec"], **step_connections
+        )
+        rehearsal_steps = [check_vm_access, prepare_rehearsal]
+    else:
+        rehearsal_steps = []
 
     # 3. Convert Hugging Face -> MaxText.
     convert_checkpoint = VmScriptOperator(
@@ -182,19 +203,20 @@ def _add_fine_tune_tasks() -> None:
         hf_conn_id=HF_CONN_ID,
     )
 
-    (
-        run
-        >> checked
-        >> vm_lease
-        >> create_vm
-        >> wait_for_ssh
-        >> install_maxtext
-        >> convert_checkpoint
-        >> start_training
-        >> wait_for_final_checkpoint
-        >> export_to_hf
-        >> collect_outputs
-        >> delete_vm
+    chain(
+        run,
+        checked,
+        vm_lease,
+        create_vm,
+        wait_for_ssh,
+        install_maxtext,
+        *rehearsal_steps,
+        convert_checkpoint,
+        start_training,
+        wait_for_final_checkpoint,
+        export_to_hf,
+        collect_outputs,
+        delete_vm,
     )
     collect_outputs >> publish_to_hub
 

@@ -16,8 +16,11 @@ from maxtext_sft.run_params import SpecError, refuse_unknown_keys
 from maxtext_sft.spec import RunSpec, build_run_spec
 
 
-def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) -> dict[str, Any]:
-    """Return the spec and the create request's values; fail (without retries) on bad input."""
+def plan_run(
+    context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str, rehearsal: bool = False
+) -> dict[str, Any]:
+    """Return the spec and the create request's values; fail (without retries) on bad input.
+    `rehearsal`: the spec of a rehearsal (its Params, its CPU VM)."""
     from airflow.providers.ssh.hooks.ssh import SSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
 
     dag_run = context["dag_run"]
@@ -41,6 +44,7 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
             default_project_id=default_project,
             ssh_user=ssh.username or "",
             ssh_public_key=f"{ssh.pkey.get_name()} {ssh.pkey.get_base64()}",
+            rehearsal=rehearsal,
         )
         if spec.bucket_dataset:
             spec = list_bucket_dataset(spec, gcp_conn_id=gcp_conn_id, log=context["task"].log)
@@ -57,7 +61,7 @@ def plan_run(context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str) ->
         "instance_body": spec.instance_body(),
         "lifetime_minutes": spec.max_run_duration_minutes,
         # create_vm's capacity gate
-        "reservation": spec.reservation,
+        "reservation": spec.consumed_reservation,
         "max_capacity_wait_minutes": spec.max_capacity_wait_minutes,
     }
 

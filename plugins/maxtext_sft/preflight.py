@@ -113,6 +113,8 @@ def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capa
     if machine_type != spec.machine_type:
         raise PreflightFailed(f"{where} holds {machine_type or 'no'} machines, not {spec.machine_type}")
     count, in_use = reservation_counts(reservation)
+    if spec.rehearsal:  # read only: the rehearsal's VM takes none of it
+        return f"{where} exists and holds {machine_type} machines ({count - in_use} of {count} free; not used by the rehearsal)"
     if in_use >= count and capacity_gate and spec.max_capacity_wait_minutes > 0:
         return (
             f"{where}: all {count} {machine_type} machines in use; create_vm waits up to "

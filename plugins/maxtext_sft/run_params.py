@@ -66,6 +66,7 @@ MODEL = "Model and data"
 MAXTEXT = "MaxText"
 OUTPUTS = "Outputs and publishing"
 TIMING = "Timeouts, polling and recovery"
+REHEARSAL = "Rehearsal"
 
 
 class SpecError(ValueError):
@@ -192,6 +193,9 @@ PARAMS: tuple[Declared, ...] = (
     # Timeouts, polling and recovery
     Declared("ssh_connect_timeout_seconds", "integer", 30, "SSH connect/banner/auth timeout.", TIMING,
              minimum=1, maximum=600),
+    Declared("ssh_ready_timeout_seconds", "integer", 600,
+             "How long a new VM may take to accept the SSH login; then the run fails naming why (a "
+             "firewall, the guest agent).", TIMING, minimum=10, maximum=3600),
     _timeout("install_timeout_minutes", "Limit for the install step.", 60, 24 * 60),
     _timeout("convert_timeout_minutes", "Limit for the conversion step.", 60, 24 * 60),
     _timeout("export_timeout_minutes", "Limit for the export step.", 60, 24 * 60),
@@ -232,6 +236,30 @@ PARAMS: tuple[Declared, ...] = (
     Declared("cloud_enforced_lifetime", "boolean", True,
              "Let Compute Engine delete the VM at the end of its lifetime, even if Airflow is down.", TIMING),
 )
+
+# The rehearsal DAG's own Params (fine_tune_dag(rehearsal=True)): the VM it runs on instead of the
+# TPU VM. machine_type, reservation and image_* stay the real run's: the rehearsal reads the
+# reservation (exists, matches machine_type) but does not consume it.
+REHEARSAL_PARAMS: tuple[Declared, ...] = (
+    Declared("rehearsal_machine_type", "string", "e2-standard-8",
+             "The cheap on-demand CPU machine the rehearsal runs on (no reservation), instead of machine_type.",
+             REHEARSAL, pattern=GCE_NAME, what="a machine type"),
+    Declared("rehearsal_image_project", "string", "ubuntu-os-cloud",
+             "Project of the rehearsal's public boot image (a CPU image, instead of image_project).",
+             REHEARSAL, pattern=PROJECT_ID, what="an image project"),
+    Declared("rehearsal_image_family", "string", "ubuntu-2204-lts",
+             "Image family of the rehearsal's boot disk (Ubuntu 22.04, as the TPU image).",
+             REHEARSAL, pattern=GCE_NAME, what="an image family"),
+)
+# What the rehearsal DAG's form starts from, where it differs from the real run's: a few toy steps,
+# and the cheap machine's price for its cost line (e2-standard-8 on demand is roughly $0.27 an
+# hour in US regions: Compute Engine's VM instance pricing, E2 standard machine types).
+REHEARSAL_DEFAULTS: dict[str, Any] = {"steps": 3, "vm_hourly_price_usd": 0.27}
+
+
+def all_params(rehearsal: bool = False) -> tuple[Declared, ...]:
+    """The Params of the fine-tune DAG, or of its rehearsal."""
+    return PARAMS + REHEARSAL_PARAMS if rehearsal else PARAMS
 
 
 def declared(table: Iterable[Declared] | None = None) -> dict[str, Declared]:

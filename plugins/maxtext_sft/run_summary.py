@@ -13,8 +13,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from maxtext_sft.rehearsal import render_checks
 from maxtext_sft.run_names import ledger_entry_number, ledger_resumed_name
 
+# XCom key under which a failed task leaves its error (outcome.record_failure), for
+# check_run_outcome and the rehearsal's checks to name the cause.
+FAILURE_KEY = "failure"
 # XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
 PHASE_KEY = "phase"
 # Task states in which create_vm has started at least once, so a VM may have existed.
@@ -151,6 +155,7 @@ def build_summary(
     tasks: SummaryTasks,
     recoveries: Sequence[Mapping[str, Any]] = (),
     instance_created_at: str | None = None,
+    rehearsal_checks: Sequence[Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
     from the spec, the training's result and the run record: nothing else of theirs can leak in."""
@@ -197,6 +202,7 @@ def build_summary(
         "outputs": outputs,
         "published": dict(published) if published else None,
         "recoveries": [dict(row) for row in recoveries],
+        **({"rehearsal_checks": [dict(row) for row in rehearsal_checks]} if rehearsal_checks is not None else {}),
         "tasks": asdict(tasks),
         "warnings": warnings,
         "summarized_at": now.isoformat(),
@@ -275,5 +281,7 @@ def render_text(summary: Mapping[str, Any]) -> str:
     if summary["published"]:
         published = summary["published"]
         lines.append(f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}")
+    if summary.get("rehearsal_checks") is not None:
+        lines += render_checks(summary["rehearsal_checks"])
     lines += [f"Warning: {warning}" for warning in summary["warnings"]]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from maxtext_sft.run_params import (
     DATE_TOKEN,
     PROJECT_ID,
     SpecError,
+    all_params,
     check_params,
     declared,
 )
@@ -60,6 +61,17 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
             return params[name]
         raise AttributeError(f"{type(self).__name__} has no field or Param {name!r}")
 
+    @property
+    def rehearsal(self) -> bool:
+        """A rehearsal's spec (fine_tune_dag(rehearsal=True)): its VM is the cheap CPU machine."""
+        return "rehearsal_machine_type" in self.params
+
+    @property
+    def consumed_reservation(self) -> str | None:
+        """The reservation the VM is bound to (what the capacity gate reads); None for a rehearsal,
+        which only reads it."""
+        return None if self.rehearsal else self.reservation
+
     def with_values(self, **changes: Any) -> RunSpec:
         """This spec with some fields or Params changed (a pinned dataset, a bake's own VM)."""
         params = {name: changes.pop(name) for name in list(changes) if name in self.params}
@@ -75,7 +87,8 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
         """The spec `to_dict` made; a Param missing from it (declared since) takes its default."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
         as_read = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
-        params = {name: as_read.get(name, param.default) for name, param in declared().items()}
+        table = declared(all_params(rehearsal="rehearsal_machine_type" in as_read))
+        params = {name: as_read.get(name, param.default) for name, param in table.items()}
         return cls(**{key: value for key, value in as_read.items() if key in fields}, params=params)
 
 
@@ -89,9 +102,11 @@ def build_run_spec(
     default_project_id: str | None,
     ssh_user: str,
     ssh_public_key: str,
+    rehearsal: bool = False,
 ) -> RunSpec:
-    """Check every Param and derive the run's spec; raises SpecError naming the first bad field."""
-    p = check_params(params)
+    """Check every Param (the rehearsal's too, with `rehearsal`) and derive the run's spec; raises
+    SpecError naming the first bad field."""
+    p = check_params(params, all_params(rehearsal))
     p["project_id"] = p["project_id"] or default_project_id
     if not isinstance(p["project_id"], str) or not PROJECT_ID.fullmatch(p["project_id"]):
         raise SpecError(

@@ -113,6 +113,7 @@ class SshLoginProbe:
         self.ssh_conn_id = ssh_conn_id
         self.log = log
         self.first_refused: float | None = None
+        self.last_unreachable: BaseException | None = None  # why the VM last did not answer
 
     def __call__(self) -> bool:
         spec = self.spec
@@ -124,8 +125,29 @@ class SshLoginProbe:
             return self._refused(refused)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
+            self.last_unreachable = error
             return False
         return status == 0
+
+    def unreachable_reason(self, seconds: float) -> str:
+        """Why the VM answered no SSH login for `seconds`, naming what to fix."""
+        spec, error = self.spec, self.last_unreachable
+        how = (
+            "through IAP (a firewall rule must allow tcp:22 from 35.235.240.0/20)" if spec.ssh_via_iap
+            else "at its internal IP" if spec.use_internal_ip else "at its external IP"
+        )
+        head = f"VM {spec.vm_name} answered no SSH login for {seconds:.0f} s (ssh_ready_timeout_seconds), reached {how}"
+        if isinstance(error, HostKeysNotPublished):
+            return f"{head}: its guest agent published no host keys (guest attributes): {error}"
+        text = f"{type(error).__name__}: {error}" if error else "no answer"
+        if "refused" in text.lower() or isinstance(error, ConnectionRefusedError):
+            why = "port 22 refused the connection: nothing listens, or a firewall rejects it"
+        else:
+            why = "the connection did not complete: a firewall drops it, or there is no route to the VM"
+        return (
+            f"{head}: {why} ({text}). Check for a VPC firewall rule on network {spec.network} allowing "
+            f"tcp:22 from the workers' addresses to the network tag {spec.network_tag}."
+        )
 
     def _refused(self, refused: LoginRefused) -> bool:
         spec = self.spec

@@ -37,7 +37,7 @@ from maxtext_sft.run_names import ledger_entry_name, ledger_entry_number, ledger
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import run_vm_steps
 from maxtext_sft.vm_remake import VmRemake
-from maxtext_sft.vm_steps import STEPS_BEFORE
+from maxtext_sft.vm_steps import steps_before
 
 # Label of a recreated VM: which recovery made it (the ledger entry is written after its insert).
 RECOVERY_LABEL = "maxtext-sft-recovery"
@@ -148,7 +148,7 @@ class VmRecovery:
 
         # The conversion is found in the shared cache; its path reaches start_training.
         _, step_seconds = run_vm_steps(
-            ("autostop", *STEPS_BEFORE["start_training"], "start_training"), self.spec, {"resuming": "yes"},
+            ("autostop", *steps_before("start_training", self.spec), "start_training"), self.spec, {"resuming": "yes"},
             what=f"Recovery of {self.spec.vm_name}", log=self.log, **self.connections,
         )
         seconds |= step_seconds

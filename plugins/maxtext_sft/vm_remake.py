@@ -59,7 +59,7 @@ class VmRemake:
         """Whether the reservation has a machine for the new VM: the capacity gate create_vm has
         too, so a remade VM does not take, or wait in a refused insert for, another run's machine."""
         spec = self.spec
-        if not spec.reservation:
+        if not spec.consumed_reservation:
             return True
         hook = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id)
         capacity = hook.reservation_capacity(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
@@ -108,7 +108,7 @@ class VmRemake:
         """The trigger a task defers to while the reservation is full (None without a reservation:
         then there is nothing to read, and the caller waits by reschedule)."""
         spec = self.spec
-        if not spec.reservation:
+        if not spec.consumed_reservation:
             return None
         return ReservationCapacityTrigger(
             project_id=spec.project_id,

@@ -46,6 +46,29 @@ STEPS: dict[str, VmStep] = {
         timeout_seconds=lambda s: s.install_timeout_minutes * 60,
         needs_hf_token=False,
     ),
+    # The rehearsal's checks from the VM: its service account on the bucket, its egress and the
+    # token on the base model and the dataset snapshot.
+    "check_vm_access": VmStep(
+        script="check_vm_access.sh",
+        arguments=lambda s, _: [
+            s.work_dir,
+            s.run_output_dir if s.durable else "",
+            s.base_model_id,
+            s.model_revision or "",
+            s.dataset_name if s.hub_dataset else "",
+            s.dataset_revision or "",
+            s.dataset_files[0] if s.dataset_files else "README.md",
+        ],
+        timeout_seconds=lambda s: 300,
+        needs_hf_token=True,
+    ),
+    # The rehearsal's toy inputs, made on the VM (include/rehearsal): MaxText then runs at toy size.
+    "prepare_rehearsal": VmStep(
+        script="prepare_rehearsal.sh",
+        arguments=lambda s, _: [s.work_dir],
+        timeout_seconds=lambda s: 900,
+        needs_hf_token=False,
+    ),
     "convert": VmStep(
         script="convert_to_maxtext.sh",
         arguments=lambda s, _: [
@@ -97,10 +120,20 @@ STEPS: dict[str, VmStep] = {
 # work lives on the VM's disk (the MaxText venv; the converted checkpoint, unless in the shared cache).
 STEPS_BEFORE: dict[str, tuple[str, ...]] = {
     "install": (),
+    "check_vm_access": (),
+    "prepare_rehearsal": ("install",),
     "convert": ("install",),
     "start_training": ("install", "convert"),
     "export": ("install",),
 }
+
+
+def steps_before(step: str, spec: RunSpec) -> tuple[str, ...]:
+    """STEPS_BEFORE for this run: a rehearsal's MaxText steps need its toy kit on the VM too."""
+    before = STEPS_BEFORE.get(step, ("install",))
+    if spec.rehearsal and step in ("convert", "start_training", "export"):
+        before = ("install", "prepare_rehearsal", *before[1:])
+    return before
 
 
 def vm_scripts_dir() -> Path:
@@ -108,9 +141,12 @@ def vm_scripts_dir() -> Path:
 
 
 def script_files() -> dict[str, bytes]:
-    """Every step script plus lib.sh: uploaded together, so a step never meets a stale helper."""
-    folder = vm_scripts_dir()
-    return {path.name: path.read_bytes() for path in sorted(folder.glob("*.sh"))}
+    """Every step script plus lib.sh, and the rehearsal kit's sources (include/rehearsal, which
+    prepare_rehearsal.sh finds beside it): uploaded together, so a step never meets a stale helper."""
+    scripts = sorted(vm_scripts_dir().glob("*.sh"))
+    kit = include_dir() / "rehearsal"
+    kit_sources = sorted([*kit.glob("*.py"), *kit.glob("*.json")])
+    return {path.name: path.read_bytes() for path in [*scripts, *kit_sources]}
 
 
 def remote_command(step: str, spec: RunSpec, results: Mapping[str, str] | None = None) -> str:

@@ -61,7 +61,7 @@ class _Tee(io.TextIOBase):
 DAG_TEST_SETTINGS = {"AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "1"}
 
 
-def parse_pipeline_dag():
+def parse_pipeline_dag(dag_id: str = "maxtext_sft"):
     """A freshly parsed DAG: its operators' loggers (cached on first use) bind to this run's stdout."""
     from airflow.dag_processing.dagbag import DagBag
 
@@ -70,14 +70,20 @@ def parse_pipeline_dag():
             patch.setenv(name, value)
         bag = DagBag(str(REPO / "dags"))
     assert bag.import_errors == {}
-    return bag.dags["maxtext_sft"]
+    return bag.dags[dag_id]
 
 
 @pytest.fixture(scope="session")
 def run_pipeline(airflow_db, pipeline_connections, local_cloud):
     """Run the DAG once: `conf` over the local defaults, with the given cloud and MaxText faults."""
 
-    def run(conf: dict | None = None, *, maxtext_faults: dict | None = None, cloud_faults: dict | None = None):
+    def run(
+        conf: dict | None = None,
+        *,
+        maxtext_faults: dict | None = None,
+        cloud_faults: dict | None = None,
+        dag_id: str = "maxtext_sft",
+    ):
         local_cloud.set_vm_file("maxtext-faults.json", json.dumps(maxtext_faults or {}))
         local_cloud.set_faults(cloud_faults or {})
         local_cloud.clear_requests()
@@ -85,7 +91,7 @@ def run_pipeline(airflow_db, pipeline_connections, local_cloud):
         try:
             sys.stdout = tee
             run_conf = {**LOCAL_RUN_CONF, "steps": 30, "poke_interval_seconds": 1, **(conf or {})}
-            run = collect(parse_pipeline_dag().test(run_conf=run_conf))
+            run = collect(parse_pipeline_dag(dag_id).test(run_conf=run_conf))
         finally:
             sys.stdout = tee.passthrough
             local_cloud.set_vm_file("maxtext-faults.json", "{}")

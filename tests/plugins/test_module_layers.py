@@ -18,10 +18,11 @@ PACKAGE = REPO / "plugins" / "maxtext_sft"
 # Lowest first. A new module gets a row here, and a line in the README's picture.
 LAYERS: list[tuple[str, set[str]]] = [
     ("the run's spec", {
-        "catalog", "paths", "run_params", "params", "run_names", "maxtext_args", "compute_body", "spec", "bake",
+        "catalog", "paths", "run_params", "params", "run_names", "rehearsal_kit", "maxtext_args", "compute_body",
+        "spec", "bake",
     }),
     ("pure helpers", {
-        "cloud_errors", "sizing", "snapshots", "png", "loss_curve", "outputs", "lineage", "run_summary",
+        "cloud_errors", "sizing", "snapshots", "png", "loss_curve", "outputs", "lineage", "rehearsal", "run_summary",
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",

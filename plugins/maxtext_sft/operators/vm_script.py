@@ -12,7 +12,7 @@ from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
 from maxtext_sft.vm_access import run_vm_step, run_vm_steps
 from maxtext_sft.vm_remake import VmRemake
-from maxtext_sft.vm_steps import STEPS, STEPS_BEFORE
+from maxtext_sft.vm_steps import STEPS, steps_before
 
 
 class VmScriptOperator(RunTaskOperator):
@@ -26,7 +26,7 @@ class VmScriptOperator(RunTaskOperator):
     deleted its VM, or the VM was lost between two tasks), the task makes it again as create_vm
     did (same name and body, the capacity gate: deferred, holding no worker slot, while the
     reservation is full, up to max_capacity_wait_minutes), waits for its SSH, runs the earlier
-    steps this one needs on it (STEPS_BEFORE; each is safe to run twice), then its own.
+    steps this one needs on it (vm_steps.steps_before; each is safe to run twice), then its own.
     """
 
     template_fields: Sequence[str] = ("spec", "results")
@@ -124,7 +124,7 @@ class VmScriptOperator(RunTaskOperator):
     def _steps_before(self) -> dict:
         """Run the earlier steps this one needs on the new VM, each timed; return what they reported."""
         reported, _ = run_vm_steps(
-            STEPS_BEFORE.get(self.step, ("install",)), self.run_spec, {}, what="On the new VM",
+            steps_before(self.step, self.run_spec), self.run_spec, {}, what="On the new VM",
             gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log,
         )
         return reported

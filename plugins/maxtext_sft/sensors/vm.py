@@ -39,6 +39,7 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
     deleted it, or its autostop stopped it): the step after this makes it again."""
 
     _login_probe: SshLoginProbe | None = None
+    _waiting_since: float = 0.0
 
     def poke(self, context) -> bool:
         spec = self.run_spec
@@ -48,8 +49,12 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
             return True
         if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
             self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
+            self._waiting_since = time.monotonic()
         try:
             if not self._login_probe():
+                waited = time.monotonic() - self._waiting_since
+                if waited >= spec.ssh_ready_timeout_seconds:
+                    raise AirflowFailException(self._login_probe.unreachable_reason(waited))
                 return False
             start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
             return True

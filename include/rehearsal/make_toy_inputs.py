@@ -1,7 +1,10 @@
-"""Makes the real image's toy inputs, all locally: nothing is downloaded.
+"""Makes the toy inputs of a rehearsal, all locally: nothing is downloaded.
 
-Run by the image builder with the image venv's own python (torch, transformers and MaxText live
-there, never in the project's venv):  python make_toy_inputs.py TOY_DIR
+Run with the MaxText venv's own python (torch, transformers and MaxText live there, never in the
+project's venv):  python make_toy_inputs.py TOY_DIR  (TOY_DIR must not exist yet). Two users:
+include/vm/prepare_rehearsal.sh makes a rehearsal VM's kit with it (WORK_DIR/rehearsal-kit, whose
+extra MaxText args are toy_args.json beside this file), and the local cloud's image builder
+(localcloud/images.py) the real image's toy/.
 
 TOY_DIR gets:
   model/       a gemma3-4b-shaped Hugging Face checkpoint (Gemma3ForConditionalGeneration): 34
@@ -51,9 +54,10 @@ VISION_DIMS = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 
                "image_size": 56}
 MM_TOKENS_PER_IMAGE = 4
 
-# The extra MaxText args each pipeline command needs with these inputs, found by running the three
+# The extra MaxText args each pipeline command needs with these inputs served from the hub cache
+# (HF_HUB_CACHE=TOY_DIR/hf_home/hub, as the local cloud's image does), found by running the three
 # commands by hand and dropping each arg in turn (hardware=cpu, tokenizer_path, --hf_model_path and
-# HF_TOKEN turned out unnecessary).
+# HF_TOKEN turned out unnecessary). A rehearsal kit names its files instead: toy_args.json.
 _DIM_ARGS = ["override_model_config=True", *(f"{key}={value}" for key, value in TEXT_DIMS.items())]
 EXTRA_ARGS = {
     # The checkpoint itself comes from the hub cache (HF_IDS["gemma3-4b"]); one simulated device

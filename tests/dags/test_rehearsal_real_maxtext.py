@@ -1,0 +1,76 @@
+"""The rehearsal DAG end to end on the real MaxText 0.2.2 (the local cloud serves the rehearsal's
+public Ubuntu family with the real image): its kit is made on the VM, MaxText converts, trains
+and exports at toy size, every check passes; and its insert request is the real run's but for
+the fields the switch changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from localcloud.connections import LOCAL_REHEARSAL_CONF, REHEARSAL_IMAGE_KEY
+from localcloud.images import build_fast_image, build_real_image
+from maxtext_sft.rehearsal import CHECKS, PASSED
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
+
+# The insert body's fields (REST names) in which a rehearsal differs from the real run
+# (compute_body.REHEARSAL_FIELDS, as the client library sends them)...
+SWITCHED = {"machineType", "disks[0].initializeParams.sourceImage", "reservationAffinity",
+            "scheduling.provisioningModel"}
+# ...and those that name the DAG run, which differ between any two runs.
+RUN_IDENTITY = {"name", "labels", "metadata.items[2].value", "metadata.items[3].value"}
+
+
+@pytest.fixture(scope="module")
+def rehearsal_image(local_cloud):
+    local_cloud.add_image(REHEARSAL_IMAGE_KEY, build_real_image())
+    yield
+    local_cloud.add_image(REHEARSAL_IMAGE_KEY, build_fast_image())
+
+
+def inserted_body(local_cloud) -> dict:
+    [insert] = [r for r in local_cloud.requests()
+                if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")]
+    return insert["body"]
+
+
+def differences(real, other, path: str = "") -> set[str]:
+    if isinstance(real, dict) and isinstance(other, dict):
+        return {d for key in set(real) | set(other)
+                for d in differences(real.get(key), other.get(key), f"{path}.{key}" if path else key)}
+    if isinstance(real, list) and isinstance(other, list) and len(real) == len(other):
+        return {d for i, (a, b) in enumerate(zip(real, other)) for d in differences(a, b, f"{path}[{i}]")}
+    return set() if real == other else {path}
+
+
+def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal_image, run_pipeline, local_cloud):
+    conf = {**LOCAL_REHEARSAL_CONF, "hub_repo_id": "local-team/gemma3-rehearsal"}
+    run = run_pipeline(conf, dag_id="maxtext_sft_rehearsal")
+    assert run.state == "success", run.report()
+    assert local_cloud.vms() == []
+    summary = run.xcoms["summarize_run.return_value"]
+    checks = {row["check"]: row for row in summary["rehearsal_checks"]}
+    assert [name for name in checks] == [check.name for check in CHECKS]
+    assert {name: row["result"] for name, row in checks.items()} == dict.fromkeys(checks, PASSED), checks
+    # Its cost, at the cheap machine's price: cents.
+    vm = summary["vm"]
+    assert vm["hourly_price_usd"] == 0.27 and 0 < vm["estimated_cost_usd"] < 0.05, vm
+    assert "Rehearsal checks:" in run.log and "estimated cost $0.0" in run.log
+    # MaxText ran on the kit: the toy made on the VM, the training on its dataset.
+    assert "Made the rehearsal kit" in run.log
+    assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 3
+    assert "hf_path=rehearsal-kit/datasets/ultrachat_200k" in run.log
+    rehearsal_body = inserted_body(local_cloud)
+
+    # The real run with the same conf (the fast stand-in is enough: only its insert is compared).
+    real = run_pipeline({**conf, "steps": 5})
+    assert real.state == "success", real.report()
+    real_body = inserted_body(local_cloud)
+    found = differences(real_body, rehearsal_body)
+    switched = {d for d in found if any(d == f or d.startswith(f + ".") for f in SWITCHED)}
+    identity = {d for d in found if any(d == f or d.startswith(f + ".") for f in RUN_IDENTITY)}
+    assert found == switched | identity, found - switched - identity
+    assert {f for f in SWITCHED if any(d == f or d.startswith(f + ".") for d in switched)} == SWITCHED
+    assert rehearsal_body["scheduling"]["provisioningModel"] == "STANDARD"
+    assert rehearsal_body["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
+    assert rehearsal_body["machineType"].endswith("/machineTypes/e2-standard-8")
