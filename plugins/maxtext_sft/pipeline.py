@@ -180,7 +180,8 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         training=wait_for_final_checkpoint.output,
         base_checkpoint=convert_checkpoint.output,
         export=export_to_hf.output,
-        outlets=[TUNED_MODEL],  # a new model: DAGs scheduled on this Asset start
+        # A new model: DAGs scheduled on this Asset start (not on a rehearsal's toy).
+        outlets=[] if rehearsal else [TUNED_MODEL],
         **vm_connections,
     )
 

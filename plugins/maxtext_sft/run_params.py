@@ -251,10 +251,11 @@ REHEARSAL_PARAMS: tuple[Declared, ...] = (
              "Image family of the rehearsal's boot disk (Ubuntu 22.04, as the TPU image).",
              REHEARSAL, pattern=GCE_NAME, what="an image family"),
 )
-# What the rehearsal DAG's form starts from, where it differs from the real run's: a few toy steps,
-# and the cheap machine's price for its cost line (e2-standard-8 on demand is roughly $0.27 an
-# hour in US regions: Compute Engine's VM instance pricing, E2 standard machine types).
-REHEARSAL_DEFAULTS: dict[str, Any] = {"steps": 3, "vm_hourly_price_usd": 0.27}
+# What the rehearsal DAG's form starts from, where it differs from the real run's: a few toy steps;
+# the cheap machine's price for its cost line (e2-standard-8 on demand is roughly $0.27 an hour in
+# US regions: Compute Engine's VM instance pricing, E2 standard machine types); and a branch of its
+# own, so that publishing the toy proves write access without a commit on the repo's main.
+REHEARSAL_DEFAULTS: dict[str, Any] = {"steps": 3, "vm_hourly_price_usd": 0.27, "hub_branch": "rehearsal"}
 
 
 def all_params(rehearsal: bool = False) -> tuple[Declared, ...]:

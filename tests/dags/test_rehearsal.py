@@ -43,6 +43,19 @@ REFUSALS = [
 ]
 
 
+def test_a_rehearsal_announces_no_model_and_publishes_on_a_branch_of_its_own():
+    from maxtext_sft.lineage import TUNED_MODEL
+    from tests.dags.conftest import parse_pipeline_dag
+
+    rehearsal, real = parse_pipeline_dag(DAG_ID), parse_pipeline_dag("maxtext_sft")
+    # Its toy is no tuned model: the DAGs scheduled on the Asset (evaluations, deployments) must not start.
+    assert rehearsal.get_task("collect_outputs").outlets == []
+    assert real.get_task("collect_outputs").outlets == [TUNED_MODEL]
+    assert rehearsal.params["hub_branch"] == "rehearsal" and real.params["hub_branch"] == "main"
+    assert {t.task_id for t in rehearsal.tasks} - {t.task_id for t in real.tasks} == {
+        "check_vm_access", "prepare_rehearsal"}
+
+
 @pytest.fixture
 def refusal_injected(request, local_cloud, pipeline_connections, monkeypatch):
     refusal: Refusal = request.param

@@ -60,6 +60,7 @@ def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal
     assert "Made the rehearsal kit" in run.log
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 3
     assert "hf_path=rehearsal-kit/datasets/ultrachat_200k" in run.log
+    assert run.xcoms["publish_to_hub.return_value"]["branch"] == "rehearsal"  # never the repo's main
     rehearsal_body = inserted_body(local_cloud)
 
     # The real run with the same conf (the fast stand-in is enough: only its insert is compared).
