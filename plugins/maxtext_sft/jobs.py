@@ -31,7 +31,7 @@ from maxtext_sft.spec import build_run_spec
 
 FIELDS = {
     "dag_id", "description", "owner", "tags", "schedule", "start_date", "end_date", "catchup",
-    "max_active_runs", "notify", "params",
+    "max_active_runs", "max_consecutive_failed_runs", "notify", "params",
 }
 DAG_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
@@ -40,6 +40,9 @@ SCHEDULE_PRESETS = {"@once", "@continuous", "@hourly", "@daily", "@weekly", "@mo
 
 class JobConfigError(ValueError):
     """A declared job's file cannot make a DAG; the message names the file and the field."""
+
+
+DEFAULT_MAX_CONSECUTIVE_FAILED_RUNS = 3
 
 
 def jobs_dir() -> Path:
@@ -77,6 +80,12 @@ def load_job(path: Path) -> dict[str, Any]:
     max_active_runs = job.get("max_active_runs", 1)
     if isinstance(max_active_runs, bool) or not isinstance(max_active_runs, int) or not 1 <= max_active_runs <= 64:
         raise bad("max_active_runs", f"{max_active_runs!r} is not an integer in [1, 64]")
+    # A job failing night after night (a revoked token, a deleted reservation) pauses itself after
+    # this many failed runs in a row (Airflow's max_consecutive_failed_dag_runs): it stops paying
+    # for VMs until someone fixes it and unpauses it. 0: never.
+    failed_runs = job.get("max_consecutive_failed_runs", DEFAULT_MAX_CONSECUTIVE_FAILED_RUNS)
+    if isinstance(failed_runs, bool) or not isinstance(failed_runs, int) or not 0 <= failed_runs <= 1000:
+        raise bad("max_consecutive_failed_runs", f"{failed_runs!r} is not an integer in [0, 1000]")
     notify = job.get("notify") or {}
     if not isinstance(notify, dict) or set(notify) - {"conn_id"}:
         raise bad("notify", "expected {conn_id: <an Airflow connection whose host is the webhook URL>}")
@@ -95,6 +104,7 @@ def load_job(path: Path) -> dict[str, Any]:
         "end_date": end_date,
         "catchup": catchup,
         "max_active_runs": max_active_runs,
+        "max_consecutive_failed_dag_runs": failed_runs,
         "notify_conn_id": notify.get("conn_id"),
         "params": _params(job.get("params"), dag_id, lambda field, why: bad(field, why)),
     }
@@ -147,7 +157,8 @@ def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
 
 # A job file's fields that fine_tune_dag takes as they are.
 JOB_DAG_FIELDS = (
-    "params", "schedule", "start_date", "end_date", "catchup", "max_active_runs", "description", "tags", "owner"
+    "params", "schedule", "start_date", "end_date", "catchup", "max_active_runs", "max_consecutive_failed_dag_runs",
+    "description", "tags", "owner",
 )
 
 

@@ -46,6 +46,7 @@ def fine_tune_dag(
     end_date: datetime | None = None,
     catchup: bool = False,
     max_active_runs: int = 16,
+    max_consecutive_failed_dag_runs: int = 0,
     is_paused_upon_creation: bool | None = None,
     description: str = "MaxText SFT on a reservation-bound TPU VM, deleted whatever happens",
     tags: list[str] | None = None,
@@ -67,6 +68,7 @@ def fine_tune_dag(
         end_date=end_date,
         catchup=catchup,
         max_active_runs=max_active_runs,
+        max_consecutive_failed_dag_runs=max_consecutive_failed_dag_runs,  # 0: never pauses itself
         is_paused_upon_creation=is_paused_upon_creation,
         params=params,
         tags=tags or ["maxtext", "sft", "tpu"],

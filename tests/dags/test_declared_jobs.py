@@ -43,6 +43,8 @@ def test_the_example_job_is_a_paused_daily_dag_running_one_at_a_time_with_its_va
     job, manual = bag.dags["ultrachat_gemma3_nightly"], bag.dags["maxtext_sft"]
     assert job.timetable.expression == "0 0 * * *"  # "@daily"
     assert (job.max_active_runs, job.catchup, job.is_paused_upon_creation) == (1, False, True)
+    # A job failing three nights in a row pauses itself; the manual DAG never does.
+    assert (job.max_consecutive_failed_dag_runs, manual.max_consecutive_failed_dag_runs) == (3, 0)
     assert job.params["reservation"] == "nlp-team-v6e-8" and job.params["steps"] == 1000
     assert job.params["zone"] == manual.params["zone"]  # unset fields keep the tutorial's values
     assert sorted(job.task_dict) == sorted(manual.task_dict)  # the same pipeline
@@ -51,9 +53,11 @@ def test_the_example_job_is_a_paused_daily_dag_running_one_at_a_time_with_its_va
 
 
 def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
-    write_job(tmp_path, "wide.yaml", {**GOOD, "catchup": True, "max_active_runs": 3, "dag_id": "team_wide"})
+    write_job(tmp_path, "wide.yaml", {**GOOD, "catchup": True, "max_active_runs": 3, "dag_id": "team_wide",
+                                      "max_consecutive_failed_runs": 0})
     job = load_job(tmp_path / "wide.yaml")
     assert (job["dag_id"], job["catchup"], job["max_active_runs"]) == ("team_wide", True, 3)
+    assert job["max_consecutive_failed_dag_runs"] == 0
     assert job["start_date"].isoformat() == "2026-11-02T00:00:00+00:00"
 
 
@@ -72,6 +76,8 @@ def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
         ({**GOOD, "start_date": "yesterday"}, "start_date", "not an ISO date"),
         ({**GOOD, "max_active_runs": 0}, "max_active_runs", "integer in"),
         ({**GOOD, "catchup": "yes"}, "catchup", "true or false"),
+        ({**GOOD, "max_consecutive_failed_runs": -1}, "max_consecutive_failed_runs", "integer in [0, 1000]"),
+        ({**GOOD, "max_consecutive_failed_runs": True}, "max_consecutive_failed_runs", "integer in [0, 1000]"),
         ({**GOOD, "notify": {"url": "https://x"}}, "notify", "conn_id"),
         ({**GOOD, "scheduel": "@daily"}, "scheduel", "unknown field"),
         ({**GOOD, "dag_id": "bad id!"}, "dag_id", "not a DAG id"),
