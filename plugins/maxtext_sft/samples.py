@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import conf
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from maxtext_sft.export_files import export_folder
 from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.outputs import ExportLayout, ExportLayoutError, check_export_folder
@@ -26,12 +26,15 @@ GENERATION_TIMEOUT_SECONDS = 1800
 
 
 def generation_python() -> str:
+    """The interpreter that generates. Unset: the deployment has not opted in, so the task is
+    skipped, saying how to opt in (a failure after every fine-tune would teach users to ignore red);
+    set to something that is no file: a broken setting, which fails."""
     python = conf.get("maxtext_sft", "generation_python", fallback="")
-    if not python or not Path(python).is_file():
-        raise AirflowFailException(
-            f"[maxtext_sft] generation_python is {python or 'unset'}: set it (or "
-            "AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON) to a Python with torch and transformers"
-        )
+    how = "AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON) to a Python with torch and transformers"
+    if not python:
+        raise AirflowSkipException(f"No samples generated: [maxtext_sft] generation_python is unset; set it (or {how}")
+    if not Path(python).is_file():
+        raise AirflowFailException(f"[maxtext_sft] generation_python is {python}, which is no file: set it (or {how}")
     return python
 
 

@@ -27,3 +27,18 @@ def test_a_model_missing_a_shard_is_refused_before_generating(tmp_path):
     location = f"{socket.gethostname()}:{tmp_path / 'export'}"
     with pytest.raises(AirflowFailException, match=rf"The model at {location} is incomplete: the shards \['{SHARDS[0]}'\]"):
         fetch_model(location, tmp_path / "copy", gcp_conn_id="unused")
+
+
+def test_an_unset_generation_python_skips_saying_how_and_a_wrong_one_fails(monkeypatch, tmp_path):
+    from airflow.sdk.exceptions import AirflowSkipException
+    from maxtext_sft.samples import generation_python
+
+    monkeypatch.delenv("AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON", raising=False)
+    with pytest.raises(AirflowSkipException, match="generation_python is unset"):
+        generation_python()
+    monkeypatch.setenv("AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(AirflowFailException, match="which is no file"):
+        generation_python()
+    (tmp_path / "python3").write_text("")
+    monkeypatch.setenv("AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON", str(tmp_path / "python3"))
+    assert generation_python() == str(tmp_path / "python3")
