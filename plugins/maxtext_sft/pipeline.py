@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from airflow.providers.standard.operators.empty import EmptyOperator
-from airflow.sdk import DAG, Param, chain, task
+from airflow.sdk import DAG, Param, TaskGroup, chain, task
 from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, capacity_reads, task_defaults
 from maxtext_sft.lineage import TUNED_MODEL
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
@@ -87,7 +87,20 @@ def fine_tune_dag(
     return dag
 
 
+# The runbook's phases, one task group each (the graph's table of contents). Task ids stay
+# unprefixed: run summaries, logs and the README's clearing table name tasks as before.
+PHASES = {
+    "plan": "Validate the Params, pin the dataset, check what a run needs before paying",
+    "provision": "Create the VM, reach it over SSH, install MaxText",
+    "train": "Convert the base checkpoint, train, wait for the final checkpoint",
+    "export_and_publish": "Convert back to Hugging Face format, record the outputs, publish",
+    "clean_up": "Delete the VM, summarize the run, decide its outcome",
+}
+
+
 def _add_fine_tune_tasks(rehearsal: bool) -> None:
+    phase = {name: TaskGroup(name, tooltip=tooltip, prefix_group_id=False) for name, tooltip in PHASES.items()}
+
     @task(multiple_outputs=True)
     def plan_run(**context):
         """Validate Params and connections; derive names and paths; pin the dataset snapshot.
@@ -96,7 +109,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
             context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID, rehearsal=rehearsal
         )
 
-    run = plan_run()
+    run = plan_run.override(task_group=phase["plan"])()
 
     @task
     def preflight(spec: dict, **context):
@@ -107,7 +120,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
             capacity_gate=True,  # a full reservation is waited for by create_vm, not a failure
         )
 
-    checked = preflight(run["spec"])
+    checked = preflight.override(task_group=phase["plan"])(run["spec"])
     vm_connections = {"gcp_conn_id": GCP_CONN_ID, "ssh_conn_id": SSH_CONN_ID}
     # The steps on the VM make it again when it is gone (a cleared task, a VM lost between two
     # tasks), behind the capacity gate as create_vm.
@@ -116,13 +129,16 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
     # run even when the create fails after the API accepted it, or a user marks the run failed.
     # (No callbacks: an EmptyOperator with callbacks is sent to a worker instead of being marked done.)
-    vm_lease = EmptyOperator(task_id="vm_lease", on_execute_callback=None, on_success_callback=None)
+    vm_lease = EmptyOperator(
+        task_id="vm_lease", on_execute_callback=None, on_success_callback=None, task_group=phase["provision"]
+    )
 
     # 1. Create the VM, once the reservation has a machine free: across every DAG that uses it,
     # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity) defers
     # the task to the triggerer, holding no worker slot, up to max_capacity_wait_minutes.
     create_vm = CreateVmOperator(
         task_id="create_vm",
+        task_group=phase["provision"],
         project_id=run["project_id"],
         zone=run["zone"],
         resource_id=run["vm_name"],
@@ -138,19 +154,24 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
     # sensor's timeout only backs it up.
     wait_for_ssh = VmSshReadySensor(
-        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, **vm_connections
+        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
+        **vm_connections,
     )
 
     # 2. Install MaxText.
-    install_maxtext = VmScriptOperator(task_id="install_maxtext", step="install", spec=run["spec"], **step_connections)
+    install_maxtext = VmScriptOperator(
+        task_id="install_maxtext", step="install", spec=run["spec"], task_group=phase["provision"], **step_connections
+    )
 
     # The rehearsal: what the VM itself reaches (bucket, Hub), and the toy inputs it trains on.
     if rehearsal:
         check_vm_access = VmScriptOperator(
-            task_id="check_vm_access", step="check_vm_access", spec=run["spec"], **step_connections
+            task_id="check_vm_access", step="check_vm_access", spec=run["spec"], task_group=phase["provision"],
+            **step_connections,
         )
         prepare_rehearsal = VmScriptOperator(
-            task_id="prepare_rehearsal", step="prepare_rehearsal", spec=run["spec"], **step_connections
+            task_id="prepare_rehearsal", step="prepare_rehearsal", spec=run["spec"], task_group=phase["provision"],
+            **step_connections,
         )
         rehearsal_steps = [check_vm_access, prepare_rehearsal]
     else:
@@ -158,12 +179,13 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
 
     # 3. Convert Hugging Face -> MaxText.
     convert_checkpoint = VmScriptOperator(
-        task_id="convert_checkpoint", step="convert", spec=run["spec"], **step_connections
+        task_id="convert_checkpoint", step="convert", spec=run["spec"], task_group=phase["train"], **step_connections
     )
 
     # 4. SFT: started detached, then watched until the final checkpoint.
     start_training = VmScriptOperator(
         task_id="start_training",
+        task_group=phase["train"],
         step="start_training",
         spec=run["spec"],
         results=convert_checkpoint.output,  # the converted checkpoint's path (maybe another run's)
@@ -171,13 +193,17 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     )
     # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries).
     wait_for_final_checkpoint = TrainingCheckpointSensor(
-        task_id="wait_for_final_checkpoint", spec=run["spec"], **step_connections
+        task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **step_connections
     )
 
     # 5. Convert MaxText -> Hugging Face; the model card and the run record go next to it.
-    export_to_hf = VmScriptOperator(task_id="export_to_hf", step="export", spec=run["spec"], **step_connections)
+    export_to_hf = VmScriptOperator(
+        task_id="export_to_hf", step="export", spec=run["spec"], task_group=phase["export_and_publish"],
+        **step_connections,
+    )
     collect_outputs = CollectOutputsOperator(
         task_id="collect_outputs",
+        task_group=phase["export_and_publish"],
         spec=run["spec"],
         training=wait_for_final_checkpoint.output,
         base_checkpoint=convert_checkpoint.output,
@@ -190,6 +216,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # 6. Delete the VM in every outcome.
     delete_vm = DeleteVmOperator(
         task_id="delete_vm",
+        task_group=phase["clean_up"],
         project_id=run["project_id"],
         zone=run["zone"],
         resource_id=run["vm_name"],
@@ -200,6 +227,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # Publishing reads the export from storage (or the worker), so it need not hold the VM.
     publish_to_hub = PublishToHubOperator(
         task_id="publish_to_hub",
+        task_group=phase["export_and_publish"],
         spec=run["spec"],
         record=collect_outputs.output,
         gcp_conn_id=GCP_CONN_ID,
@@ -225,7 +253,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
 
     # The run summary (phases, VM lifetime and cost, final loss, outputs), whatever happened: a
     # teardown without setups, so that it runs also when the run failed before the VM existed.
-    summary = summarize_run(
+    summary = summarize_run.override(task_group=phase["clean_up"])(
         tasks=vars(SummaryTasks(
             plan=run.operator.task_id,
             create_vm=create_vm.task_id,
@@ -241,7 +269,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # decide it. This last teardown runs in every outcome (so also when a user marks the run
     # failed, which skips the tasks that had not run) and fails the run unless every task
     # succeeded, the delete included.
-    outcome = check_run_outcome(vm_delete_task=delete_vm.task_id).as_teardown(
+    outcome = check_run_outcome.override(task_group=phase["clean_up"])(vm_delete_task=delete_vm.task_id).as_teardown(
         setups=vm_lease, on_failure_fail_dagrun=True
     )
     [delete_vm, publish_to_hub] >> summary >> outcome

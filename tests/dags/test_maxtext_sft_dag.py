@@ -143,3 +143,22 @@ def test_the_summary_reads_the_tasks_the_dag_made_and_lists_phases_in_its_order(
     assert phases.index("publish_to_hub") > phases.index("collect_outputs")
     assert "check_run_outcome" not in phases
     assert phase_order(dag, "collect_outputs")[-1] == "export_to_hf"
+
+
+def test_the_graph_groups_the_tasks_by_the_runbooks_phases_keeping_their_ids(dag):
+    from maxtext_sft.pipeline import PHASES
+
+    groups = {name: group for name, group in dag.task_group.children.items()}
+    assert list(groups) == list(PHASES)  # nothing outside a phase, phases in the runbook's order
+    members = {name: list(group.children) for name, group in groups.items()}
+    assert members == {
+        "plan": ["plan_run", "preflight"],
+        "provision": ["vm_lease", "create_vm", "wait_for_ssh", "install_maxtext"],
+        "train": ["convert_checkpoint", "start_training", "wait_for_final_checkpoint"],
+        "export_and_publish": ["export_to_hf", "collect_outputs", "publish_to_hub"],
+        "clean_up": ["delete_vm", "summarize_run", "check_run_outcome"],
+    }
+    assert sorted(t for ids in members.values() for t in ids) == sorted(dag.task_ids)  # ids unprefixed
+    # The teardown semantics are the groups' members' own: the delete still tears down the lease.
+    assert dag.get_task("delete_vm").is_teardown and "vm_lease" in dag.get_task("delete_vm").upstream_task_ids
+    assert all(group.tooltip for group in groups.values())
