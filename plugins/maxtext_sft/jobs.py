@@ -13,6 +13,7 @@ check a run makes (`spec.build_run_spec`, from the Params' one declaration in ru
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 from pathlib import Path
@@ -173,7 +174,26 @@ def declared_job_dag(file_name: str) -> DAG:
         # A new job spends nothing until someone unpauses it (whatever dags_are_paused_at_creation says).
         is_paused_upon_creation=True,
         on_failure_callback=notifier,
-        doc_md=f"Declared job `include/jobs/{path.name}`, running the fine-tune of plugins/maxtext_sft/pipeline.py.",
+        doc_md=job_doc(path, job),
+    )
+
+
+def job_doc(path: Path, job: dict[str, Any]) -> str:
+    """The job DAG's docs: its file as written, then every value its runs get (the file's, else
+    the tutorial's), so the DAG's page answers "what does this job run" without the Params schema."""
+    file_params = (yaml.safe_load(path.read_text()) or {}).get("params") or {}
+    rows = "\n".join(
+        f"| `{name}` | `{json.dumps(param.value if hasattr(param, 'value') else param, default=str)}` | "
+        f"{'this file' if name in file_params else 'default'} |"
+        for name, param in job["params"].items()
+    )
+    schedule = job["schedule"]
+    return (
+        f"Declared job `include/jobs/{path.name}`, running the fine-tune of plugins/maxtext_sft/pipeline.py "
+        f"on the schedule `{schedule}` (at most {job['max_active_runs']} run(s) at once; pauses itself after "
+        f"{job['max_consecutive_failed_dag_runs'] or 'no number of'} failed runs in a row).\n\n"
+        f"```yaml\n{path.read_text().rstrip()}\n```\n\n"
+        f"| Param | value | from |\n|---|---|---|\n{rows}\n"
     )
 
 

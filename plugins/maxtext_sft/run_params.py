@@ -216,12 +216,12 @@ PARAMS: tuple[Declared, ...] = (
     Declared("checkpoint_period", "integer", None,
              "Save a checkpoint every this many steps (and the last): what a recreated VM resumes from. "
              "Empty: with output_location every tenth of the steps, at least every 1000; without it "
-             "MaxText's 10000 (checkpoints on the VM die with it: step 1 and the last only).", TIMING,
+             "MaxText's 10000 (checkpoints on the VM die with it: step 1 and the last only).", MAXTEXT,
              nullable=True, minimum=1, maximum=10_000_000),
     Declared("checkpoints_kept", "integer", 2,
              "With output_location: the newest committed training checkpoints kept in storage; older "
              "ones are deleted as newer ones commit (the final step is the newest). Empty: keep all.",
-             TIMING, nullable=True, minimum=1, maximum=1000),
+             MAXTEXT, nullable=True, minimum=1, maximum=1000),
     Declared("max_vm_recoveries", "integer", 2,
              "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
              "output_location (0: never; the run fails).", TIMING, minimum=0, maximum=10),

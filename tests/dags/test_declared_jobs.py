@@ -50,6 +50,11 @@ def test_the_example_job_is_a_paused_daily_dag_running_one_at_a_time_with_its_va
     assert sorted(job.task_dict) == sorted(manual.task_dict)  # the same pipeline
     assert isinstance(job.on_failure_callback, JobNotifier) and job.on_failure_callback.conn_id == "nlp_team_webhook"
     assert manual.on_failure_callback is None and manual.schedule is None
+    # Its page shows the file as written and the value of every Param its runs get, and whence.
+    assert (REPO / "include" / "jobs" / "ultrachat-gemma3-nightly.yaml").read_text().rstrip() in job.doc_md
+    assert '| `reservation` | `"nlp-team-v6e-8"` | this file |' in job.doc_md
+    assert '| `network` | `"default"` | default |' in job.doc_md
+    assert job.doc_md.count("\n| `") == len(job.params)
 
 
 def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
