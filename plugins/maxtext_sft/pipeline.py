@@ -269,8 +269,10 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     # decide it. This last teardown runs in every outcome (so also when a user marks the run
     # failed, which skips the tasks that had not run) and fails the run unless every task
     # succeeded, the delete included.
+    # No setups, as the summary: it runs also when the run failed before the VM lease (plan_run or
+    # preflight refused it), so that the run's own error names that cause too.
     outcome = check_run_outcome.override(task_group=phase["clean_up"])(vm_delete_task=delete_vm.task_id).as_teardown(
-        setups=vm_lease, on_failure_fail_dagrun=True
+        on_failure_fail_dagrun=True
     )
     [delete_vm, publish_to_hub] >> summary >> outcome
     [delete_vm, publish_to_hub] >> outcome

@@ -53,6 +53,10 @@ def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, 
         assert run.state == "failed"
         assert run.task_states["plan_run"] == "failed", run.report()
         message = run.log[run.log.index("Invalid run configuration") :][:2000]
+        # The run's own error names the cause too: the outcome runs though no VM was leased.
+        assert run.task_states["check_run_outcome"] == "failed", run.report()
+        outcome = run.log[run.log.rindex("The fine-tune did not complete") :][:3000]
+        assert "plan_run: AirflowFailException: Invalid run configuration" in outcome, outcome
     assert field in message, message[:2000]
     if field == "step":
         assert "did you mean 'steps'?" in message, message

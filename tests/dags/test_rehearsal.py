@@ -90,9 +90,9 @@ def test_the_rehearsal_names_what_a_real_run_would_be_refused(refusal_injected, 
     # (A run refused before its VM lease never reaches the delete.)
     assert run.task_states["delete_vm"] in ("success", "skipped", "upstream_failed"), run.report()
     assert run.task_states["create_vm"] != "success" or run.task_states["delete_vm"] == "success", run.report()
-    # The run's error: check_run_outcome's, or preflight's when the run stopped before the VM lease.
-    marker = "The fine-tune did not complete" if "The fine-tune did not complete" in run.log else "Preflight failed"
-    error = run.log[run.log.rindex(marker) :]
+    # The run's error is check_run_outcome's, also when preflight stopped it before the VM lease.
+    assert run.task_states["check_run_outcome"] == "failed", run.report()
+    error = run.log[run.log.rindex("The fine-tune did not complete") :]
     fault_tally.failed_run(error, refusal.cause)
     assert refusal.cause in error, error[:3000]
     # The summary's checks: the failed one with the cause, those before it passed, none after ran.
