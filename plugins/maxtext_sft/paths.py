@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from airflow.sdk import conf
-
 
 def include_dir() -> Path:
     override = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR")
@@ -22,5 +20,7 @@ def include_dir() -> Path:
 
 def local_output_dir() -> Path:
     """Where runs without an output location keep their export: `[maxtext_sft] local_output_dir`."""
+    from airflow.sdk import conf  # imported when used: include_dir() stays free of Airflow (spec layer)
+
     default = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "maxtext-sft-outputs"
     return Path(conf.get("maxtext_sft", "local_output_dir", fallback=str(default)))

@@ -9,8 +9,10 @@ functions: tests need no Airflow.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from maxtext_sft.run_summary import FAILURE_KEY, NOT_RUN_STATES
 
 PASSED, FAILED, NOT_RUN, SKIPPED = "passed", "FAILED", "not run", "skipped"
 
@@ -39,29 +41,25 @@ CHECKS: tuple[Check, ...] = (
     Check("delete", "the delete is accepted and leaves no instance", ("delete_vm",)),
 )
 
-NOT_RUN_STATES = {"upstream_failed", "skipped", "removed", None}
-
-
 def rehearsal_checks(
     *,
     states: Mapping[str, str | None],
     xcom: Callable[[str, str | None], Any],
-    failure_key: str,
     spec: Mapping[str, Any] | None,
     instance_left: str | None,
 ) -> list[dict[str, str]]:
     """[{check, result, detail}] for each of CHECKS, in order.
 
-    `xcom(task_id, key)` reads a task's XCom (key None: its return value); `failure_key` is the
-    key under which a failed task left its error; `instance_left` is the VM's status after the
-    run ("" when it is gone, None when it could not be read).
+    `xcom(task_id, key)` reads a task's XCom (key None: its return value; a failed task's error is
+    under run_summary.FAILURE_KEY); `instance_left` is the VM's status after the run ("" when it
+    is gone, None when it could not be read).
     """
     spec = spec or {}
     rows = []
     for check in CHECKS:
-        result, detail = _task_result(check, states, xcom, failure_key)
+        result, detail = _task_result(check, states, xcom)
         if result == FAILED and check.results:
-            result, detail = _vm_check_result(check, xcom(check.tasks[0], failure_key) or "", detail)
+            result, detail = _vm_check_result(check, xcom(check.tasks[0], FAILURE_KEY) or "", detail)
         if result == PASSED and not detail:
             detail = _detail(check, xcom, spec)
         if check.name == "bucket from the VM" and result == PASSED and not spec.get("output_location"):
@@ -79,11 +77,11 @@ def rehearsal_checks(
     return rows
 
 
-def _task_result(check: Check, states, xcom, failure_key: str) -> tuple[str, str]:
+def _task_result(check: Check, states, xcom) -> tuple[str, str]:
     for task_id in check.tasks:
         state = states.get(task_id)
         if state == "failed":
-            error = xcom(task_id, failure_key) or "no error recorded"
+            error = xcom(task_id, FAILURE_KEY) or "no error recorded"
             return FAILED, f"{task_id}: {_first_lines(error)}"
         if state in NOT_RUN_STATES:
             return NOT_RUN, f"{task_id} did not run ({state or 'no state'})"
@@ -133,11 +131,3 @@ def _detail(check: Check, xcom, spec: Mapping[str, Any]) -> str:
 def _first_lines(text: str, lines: int = 3, chars: int = 600) -> str:
     return " | ".join(text.strip().splitlines()[:lines])[:chars]
 
-
-def render_checks(rows: Sequence[Mapping[str, str]]) -> list[str]:
-    """The checks' lines in the run summary's text."""
-    width = max((len(row["check"]) for row in rows), default=0)
-    lines = ["Rehearsal checks:"]
-    for row in rows:
-        lines.append(f"  {row['result']:<8} {row['check']:<{width}}  {row['detail'] or row['proves']}")
-    return lines

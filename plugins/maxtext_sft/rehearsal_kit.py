@@ -8,10 +8,11 @@ seen from there: relative for a work_dir under "~", absolute otherwise.
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from pathlib import Path
 from typing import Any
+
+from maxtext_sft.paths import include_dir
 
 KIT_FOLDER = "rehearsal-kit"
 KIT_PLACEHOLDER = "{kit}"
@@ -27,9 +28,7 @@ def kit_path(work_dir: str) -> str:
 
 
 def toy_args_file() -> Path:
-    # Where paths.include_dir() finds include/ (that module imports Airflow).
-    include = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR") or Path(__file__).resolve().parents[2] / "include"
-    return Path(include) / "rehearsal" / "toy_args.json"
+    return include_dir() / "rehearsal" / "toy_args.json"
 
 
 def toy_args(work_dir: str) -> dict[str, Any]:

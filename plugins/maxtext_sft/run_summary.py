@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from maxtext_sft.rehearsal import render_checks
 from maxtext_sft.run_names import ledger_entry_number, ledger_resumed_name
 
 # XCom key under which a failed task leaves its error (outcome.record_failure), for
@@ -285,3 +284,12 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines += render_checks(summary["rehearsal_checks"])
     lines += [f"Warning: {warning}" for warning in summary["warnings"]]
     return "\n".join(lines)
+
+
+def render_checks(rows: Sequence[Mapping[str, str]]) -> list[str]:
+    """The checks' lines in the run summary's text."""
+    width = max((len(row["check"]) for row in rows), default=0)
+    lines = ["Rehearsal checks:"]
+    for row in rows:
+        lines.append(f"  {row['result']:<8} {row['check']:<{width}}  {row['detail'] or row['proves']}")
+    return lines

@@ -8,12 +8,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from airflow.sdk import TaskGroup, task
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.rehearsal import rehearsal_checks
 from maxtext_sft.outputs import RUN_SUMMARY_NAME
-from maxtext_sft.run_summary import FAILURE_KEY, PHASE_KEY, SummaryTasks, build_summary, recovery_rows, render_text
+from maxtext_sft.run_summary import PHASE_KEY, SummaryTasks, build_summary, recovery_rows, render_text
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.vm_remake import VmRemake
 
 
 def _tasks_in_order(group: TaskGroup):
@@ -74,22 +74,13 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id:
 
 
 def _rehearsal_checks(ti, states: dict, spec: dict, gcp_conn_id: str) -> list[dict[str, str]]:
-    from google.api_core.exceptions import NotFound  # imported when used: DAG files stay cheap to parse (README, Architecture)
-
-    run = RunSpec.from_dict(spec)
-    try:
-        instance = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_instance(
-            resource_id=run.vm_name, zone=run.zone, project_id=run.project_id
-        )
-        left = str(instance.status) or "unknown"
-    except NotFound:
-        left = ""
+    try:  # read back: is the instance gone after the delete?
+        left = VmRemake(RunSpec.from_dict(spec), gcp_conn_id=gcp_conn_id, ssh_conn_id=None, log=None).status() or ""
     except Exception:  # noqa: BLE001 - the summary never fails; the delete check then says unknown
         left = None
     return rehearsal_checks(
         states=states,
         xcom=lambda task_id, key: ti.xcom_pull(task_ids=task_id, key=key or "return_value"),
-        failure_key=FAILURE_KEY,
         spec=spec,
         instance_left=left,
     )

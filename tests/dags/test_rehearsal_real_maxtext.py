@@ -10,6 +10,7 @@ import pytest
 from localcloud.connections import LOCAL_REHEARSAL_CONF, REHEARSAL_IMAGE_KEY
 from localcloud.images import build_fast_image, build_real_image
 from maxtext_sft.rehearsal import CHECKS, PASSED
+from tests.plugins.test_rehearsal import differences
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
 
@@ -32,15 +33,6 @@ def inserted_body(local_cloud) -> dict:
     [insert] = [r for r in local_cloud.requests()
                 if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")]
     return insert["body"]
-
-
-def differences(real, other, path: str = "") -> set[str]:
-    if isinstance(real, dict) and isinstance(other, dict):
-        return {d for key in set(real) | set(other)
-                for d in differences(real.get(key), other.get(key), f"{path}.{key}" if path else key)}
-    if isinstance(real, list) and isinstance(other, list) and len(real) == len(other):
-        return {d for i, (a, b) in enumerate(zip(real, other)) for d in differences(a, b, f"{path}[{i}]")}
-    return set() if real == other else {path}
 
 
 def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal_image, run_pipeline, local_cloud):
@@ -67,7 +59,7 @@ def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal
     real = run_pipeline({**conf, "steps": 5})
     assert real.state == "success", real.report()
     real_body = inserted_body(local_cloud)
-    found = differences(real_body, rehearsal_body)
+    found = set(differences(real_body, rehearsal_body))
     switched = {d for d in found if any(d == f or d.startswith(f + ".") for f in SWITCHED)}
     identity = {d for d in found if any(d == f or d.startswith(f + ".") for f in RUN_IDENTITY)}
     assert found == switched | identity, found - switched - identity

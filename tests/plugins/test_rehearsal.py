@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from maxtext_sft.compute_body import REHEARSAL_FIELDS
-from maxtext_sft.rehearsal import CHECKS, FAILED, NOT_RUN, PASSED, SKIPPED, rehearsal_checks, render_checks
+from maxtext_sft.rehearsal import CHECKS, FAILED, NOT_RUN, PASSED, SKIPPED, rehearsal_checks
+from maxtext_sft.run_summary import FAILURE_KEY, render_checks
 from maxtext_sft.run_params import REHEARSAL_PARAMS, SpecError
 from maxtext_sft.spec import RunSpec, build_run_spec
 from tests.plugins.test_spec import RUN_ID, STARTED
@@ -90,7 +91,6 @@ def checks(states: dict, xcoms: dict | None = None, *, spec: dict | None = None,
         for row in rehearsal_checks(
             states=states,
             xcom=lambda task_id, key: xcoms.get((task_id, key)),
-            failure_key="failure",
             spec=spec if spec is not None else {**CONF, "vm_name": "vm-1", "zone": "us-east5-b"},
             instance_left=left,
         )
@@ -117,7 +117,7 @@ def test_every_check_of_a_good_rehearsal_passes_with_what_it_saw():
 def test_a_failed_task_fails_its_check_with_its_error_and_the_rest_did_not_run():
     states = {**dict.fromkeys(ALL_TASKS, "upstream_failed"), "plan_run": "success", "preflight": "success",
               "create_vm": "failed", "delete_vm": "success"}
-    found = checks(states, {("create_vm", "failure"): "AirflowFailException: permission denied (forbidden: "
+    found = checks(states, {("create_vm", FAILURE_KEY): "AirflowFailException: permission denied (forbidden: "
                                                       "Required 'compute.instances.create' permission)\nmore"})
     assert found["compute insert"][0] == FAILED
     assert "compute.instances.create" in found["compute insert"][1]
@@ -130,5 +130,5 @@ def test_what_was_not_asked_is_skipped_and_a_vm_left_behind_fails_the_delete():
     assert found["bucket from the VM"][0] == found["hub publish"][0] == SKIPPED
     assert found["delete"] == (FAILED, "the instance is still there after the delete (status RUNNING)")
     lines = render_checks(rehearsal_checks(
-        states={}, xcom=lambda *_: None, failure_key="failure", spec={}, instance_left=None))
+        states={}, xcom=lambda *_: None, spec={}, instance_left=None))
     assert lines[0] == "Rehearsal checks:" and len(lines) == 1 + len(CHECKS)
