@@ -58,7 +58,9 @@ def prepare_local_cloud(cloud, hf_token: str) -> None:
     cloud.hub.seed_repo(LOCAL_HUB_MODEL, {"config.json": '{"model_type": "gemma3"}'}, gated=True)
     cloud.hub.grant(LOCAL_HUB_USER, LOCAL_HUB_MODEL)
     cloud.hub.seed_repo(
-        LOCAL_HUB_DATASET, {"data/train_sft-00000-of-00001.parquet": b"stand-in"}, repo_type="dataset"
+        LOCAL_HUB_DATASET,
+        {"data/train_sft-00000-of-00001.parquet": b"stand-in", "data/test_sft-00000-of-00001.parquet": b"stand-in"},
+        repo_type="dataset",
     )
 
 

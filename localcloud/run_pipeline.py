@@ -88,14 +88,16 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
     record = airflow.xcom(run_id, "collect_outputs")
     if record:
         print("\nOutputs (the run record, also in storage):")
-        for key in ("hf_export", "checkpoints", "base_checkpoint", "final_step", "final_loss"):
+        for key in ("hf_export", "checkpoints", "base_checkpoint", "final_step", "final_loss", "eval_split", "eval_loss"):
             print(f"  {key:<16} {record.get(key)}")
         weights = record.get("hf_export_weight_files") or []
         print(f"  {'weights':<16} {record.get('hf_export_layout')}: {', '.join(weights)}")
     published = airflow.xcom(run_id, "publish_to_hub")
-    if published:
+    if published and published.get("published"):
         print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "
               f"commit {published['commit']}")
+    elif published:
+        print(f"  not published    {published['reason']}")
     if summary:
         vm = summary["vm"]
         print("\nRun summary (summarize_run; run-summary.json beside the run record):")

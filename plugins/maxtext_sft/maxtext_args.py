@@ -30,6 +30,13 @@ OWNED_KEYS: dict[str, frozenset[str]] = {
             "train_split",
             "train_data_columns",
             "hf_train_files",
+            # Held-out evaluation (eval_split, eval_steps) and where MaxText writes its metrics.
+            "eval_interval",
+            "eval_steps",
+            "hf_eval_split",
+            "hf_eval_files",
+            "eval_data_columns",
+            "metrics_file",
         }
     ),
     "export": frozenset(
@@ -145,11 +152,32 @@ class MaxTextCommandLines:
             f"hf_path={hf_path}",
             *split,
             f"train_data_columns={columns}",
+            *self._eval_args(columns),
             "profiler=xplane",
             *self._toy("train"),
             *self.train_extra_args,
             *(["profiler=''"] if resuming else []),
         ]
+
+    def _eval_args(self, columns: str) -> list[str]:
+        """The held-out evaluation: eval_interval = steps makes Tunix evaluate before the first
+        step (the base model) and after the last (the tuned one), eval_steps batches each, and
+        write both to MaxText's metrics file (start_training.sh names it). The split's files are
+        read the way the training's are: revision-pinned, from the bucket folder, or by split."""
+        if not self.eval_split:
+            return ["eval_interval=-1"]
+        if self.rehearsal:
+            split = [f"hf_eval_split={toy_args(self.work_dir)['dataset']['eval_split']}"]  # the kit's held-out split
+        elif self.bucket_dataset:
+            split = [f"hf_eval_files={self.dataset_name}/{self.eval_files_pattern}", "hf_eval_split=train"]
+        elif self.dataset_revision:
+            split = [
+                f"hf_eval_files=hf://datasets/{self.dataset_name}@{self.dataset_revision}/{self.eval_files_pattern}",
+                "hf_eval_split=train",
+            ]
+        else:
+            split = [f"hf_eval_split={self.eval_split}"]
+        return [f"eval_interval={self.steps}", f"eval_steps={self.eval_steps}", *split, f"eval_data_columns={columns}"]
 
     def export_args(self) -> list[str]:
         return [

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.training_metrics import TrainingMetrics
 
 RUN_RECORD_NAME = "run-record.json"
 MODEL_CARD_NAME = "README.md"
@@ -126,6 +127,64 @@ def check_final_loss(final_loss: str | float | None, limit: float | None) -> flo
     return loss
 
 
+# The tuned model's eval result in the card's model-index (the Hub's metadata for results, which
+# huggingface_hub's ModelCardData/EvalResult write and parse): the publishing gate reads the last
+# published card's result back by these.
+EVAL_TASK_TYPE = "text-generation"
+EVAL_METRIC_TYPE = "loss"
+EVAL_METRIC_NAME = "Held-out eval loss"
+
+
+def eval_gate(
+    spec: RunSpec, eval_loss: Mapping[str, float | None] | None, last_published: float | None
+) -> str | None:
+    """Why the tuned model must not be published on its evaluation, or None when it may be: its
+    eval loss must be below the base model's and, when a model was published before to the same
+    repo and branch on the same eval split (`last_published`, its eval loss), at least
+    hub_min_eval_improvement below that one's. A run without eval_split is not gated."""
+    if not spec.eval_split:
+        return None
+    base, tuned = (eval_loss or {}).get("base"), (eval_loss or {}).get("tuned")
+    if tuned is None:
+        return f"the tuned model's eval loss on {spec.eval_split} was not measured (its metrics hold no final evaluation)"
+    if base is None:
+        return (
+            f"the base model's eval loss on {spec.eval_split} was not measured (the evaluation before the first "
+            "step is missing from the metrics: lost with a VM that was recreated?)"
+        )
+    if tuned >= base:
+        return f"the tuned model's eval loss {tuned:.4g} is not below the base model's {base:.4g} on {spec.eval_split}"
+    margin = spec.hub_min_eval_improvement
+    if last_published is not None and tuned > last_published - margin:
+        return (
+            f"the tuned model's eval loss {tuned:.4g} is not {margin:g} or more below {last_published:.4g}, the "
+            f"eval loss of the model last published to {spec.hub_repo_id}@{spec.hub_branch} (Param "
+            "hub_min_eval_improvement)"
+        )
+    return None
+
+
+def published_eval_loss(card_text: str, spec: RunSpec) -> float | None:
+    """The held-out eval loss a published model card reports in its model-index for this run's
+    eval split of this dataset; None when it reports none (published before evaluation, or on
+    another split or dataset: not comparable)."""
+    from huggingface_hub import ModelCard  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
+    try:
+        results = ModelCard(card_text).data.eval_results or []
+    except ValueError:  # a card whose metadata is not valid YAML or model-index
+        return None
+    for result in results:
+        if (
+            result.metric_type == EVAL_METRIC_TYPE
+            and result.dataset_type == spec.dataset_name
+            and result.dataset_split == spec.eval_split
+            and isinstance(result.metric_value, (int, float))
+        ):
+            return float(result.metric_value)
+    return None
+
+
 def hub_commit_title(spec: RunSpec) -> str:
     """The Hub commit's title; it names the DAG run, and publishing twice is recognised by it."""
     return f"Fine-tune from Airflow DAG run {spec.dag_id}/{spec.run_id} (generation {spec.generation})"
@@ -143,18 +202,41 @@ def _dataset_text(spec: RunSpec) -> str:
 
 
 def model_card(
-    spec: RunSpec, *, final_step: int | None, final_loss: str | float | None, export: ExportLayout | None = None
+    spec: RunSpec,
+    *,
+    final_step: int | None,
+    final_loss: str | float | None,
+    export: ExportLayout | None = None,
+    eval_loss: Mapping[str, float | None] | None = None,
 ) -> str:
-    """README.md of the exported model: Hub metadata in YAML front matter, then the facts
-    (`export`: the checked layout of the weights beside it)."""
-    from huggingface_hub import ModelCardData  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    """README.md of the exported model: Hub metadata in YAML front matter (with the tuned model's
+    held-out eval loss as a model-index result), then the facts (`export`: the checked layout of
+    the weights beside it; `eval_loss`: {"base": ..., "tuned": ...})."""
+    from huggingface_hub import EvalResult, ModelCardData  # imported when used: DAG files stay cheap to parse (README, Architecture)
 
+    tuned = (eval_loss or {}).get("tuned")
+    eval_results = None
+    if spec.eval_split and tuned is not None:
+        eval_results = [
+            EvalResult(
+                task_type=EVAL_TASK_TYPE,
+                dataset_type=spec.dataset_name,
+                dataset_name=spec.dataset_name,
+                dataset_split=spec.eval_split,
+                dataset_revision=spec.dataset_revision,
+                metric_type=EVAL_METRIC_TYPE,
+                metric_name=EVAL_METRIC_NAME,
+                metric_value=tuned,
+            )
+        ]
     metadata = ModelCardData(
+        model_name=spec.hub_repo_id or spec.run_name,  # model-index needs a name when it has results
         base_model=spec.base_model_id,
         license=spec.base_model_license,
         library_name="transformers",
         datasets=[spec.dataset_name] if spec.hub_dataset else None,
         tags=["maxtext", "sft", "airflow"],
+        eval_results=eval_results,
         dataset_revision=spec.dataset_revision,
         maxtext_version=spec.maxtext_version,
     )
@@ -166,6 +248,7 @@ def model_card(
         ("Dataset", _dataset_text(spec)),
         ("Steps", f"{final_step} of {spec.steps}"),
         ("Final loss", str(final_loss)),
+        ("Held-out eval loss", _eval_text(spec, eval_loss)),
         ("Per-device batch size", str(spec.per_device_batch_size)),
         ("MaxText", spec.maxtext_version),
         ("TPU", f"{spec.machine_type} ({spec.tpu['accelerator_type']})"),
@@ -187,6 +270,20 @@ def model_card(
     )
 
 
+def _eval_text(spec: RunSpec, eval_loss: Mapping[str, float | None] | None) -> str:
+    if not spec.eval_split:
+        return "not evaluated (Param eval_split empty)"
+
+    def shown(value: float | None) -> str:
+        return "not measured" if value is None else f"{value:.4f}"
+
+    loss = eval_loss or {}
+    return (
+        f"base model {shown(loss.get('base'))}, tuned {shown(loss.get('tuned'))} "
+        f"(split `{spec.eval_split}`, {spec.eval_steps} batches)"
+    )
+
+
 def run_record(
     spec: RunSpec,
     *,
@@ -194,16 +291,17 @@ def run_record(
     base_checkpoint: str | None,
     hf_export: str,
     location: str | None = None,
-    loss_history: list | None = None,
+    metrics: TrainingMetrics | None = None,
     loss_curve: str | None = None,
     export: ExportLayout | None = None,
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs).
 
-    `location` is where this record itself goes (the run summary points there); `loss_history`
-    is [[step, loss or None], ...] from the training log (None: it could not be read);
-    `loss_curve` where its chart went; `export` the checked layout of the export.
+    `location` is where this record itself goes (the run summary points there); `metrics` the
+    train and eval losses by step from MaxText's metrics file (None: it could not be read);
+    `loss_curve` where their chart went; `export` the checked layout of the export.
     """
+    final_step = training.get("final_step")
     return {
         "dag_id": spec.dag_id,
         "run_id": spec.run_id,
@@ -214,8 +312,11 @@ def run_record(
         "dataset": spec.dataset_name,
         "dataset_revision": spec.dataset_revision,
         "dataset_files": list(spec.dataset_files),
-        "final_step": training.get("final_step"),
+        "final_step": final_step,
         "final_loss": training.get("final_loss"),
+        # Held-out evaluation: the base model before the first step, the tuned one after the last.
+        "eval_split": spec.eval_split,
+        "eval_loss": metrics.eval_results(final_step) if metrics else {"base": None, "tuned": None},
         "vm_recoveries": training.get("vm_recoveries", 0),  # times the VM was lost and recreated
         "base_checkpoint": base_checkpoint,
         "checkpoints": spec.checkpoints_dir if spec.durable else None,
@@ -227,6 +328,7 @@ def run_record(
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
         "run_record": location,
         "loss_curve": loss_curve,
-        "loss_history": loss_history,
+        "loss_history": metrics.train if metrics else None,  # [[step, loss or None], ...]
+        "eval_history": metrics.eval if metrics else None,
         "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

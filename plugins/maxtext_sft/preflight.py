@@ -6,6 +6,7 @@ task (no retries) listing every failure, so one trigger shows every problem of a
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from maxtext_sft.sizing import (
     run_sizes,
     saved_steps,
 )
+from maxtext_sft.snapshots import files_at
 from maxtext_sft.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -81,6 +83,29 @@ def check_dataset(api: HfApi, spec: RunSpec) -> str:
             f"dataset {spec.dataset_name} at commit {commit} has no files {spec.train_files_pattern} (Param train_split)"
         )
     return f"dataset {spec.dataset_name} at commit {commit}: {len(spec.dataset_files)} file(s) {spec.train_files_pattern}"
+
+
+def check_eval_split(api: HfApi, storage: StorageEndpointHook, spec: RunSpec) -> str:
+    """The held-out split has files where the training's are (the same snapshot, or folder): MaxText
+    would otherwise fail on the VM, after the install and the conversion were paid for."""
+    if not spec.eval_split:
+        return "no evaluation (Param eval_split empty)"
+    pattern = spec.eval_files_pattern
+    if (spec.bucket_dataset or spec.hub_dataset) and not spec.dataset_files:
+        return "not checked (no snapshot of the dataset: its own check says why)"
+    if spec.bucket_dataset:
+        names = [name for name in storage.names_under(spec.dataset_name) if fnmatch.fnmatchcase(name, pattern)]
+        where = f"dataset folder {spec.dataset_name}"
+    elif spec.hub_dataset and spec.dataset_revision:
+        names = files_at(api, spec.dataset_name, spec.dataset_revision, pattern)
+        where = f"dataset {spec.dataset_name} at commit {spec.dataset_revision}"
+    else:
+        return f"split {spec.eval_split} of {spec.dataset_name}: not checked (read by split name on the VM)"
+    if not names:
+        raise PreflightFailed(
+            f"{where} has no files {pattern} to evaluate on (Param eval_split; empty it to train without evaluation)"
+        )
+    return f"{where}: {len(names)} file(s) {pattern} to evaluate on, {spec.eval_steps} batches"
 
 
 def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:
@@ -205,6 +230,7 @@ def run_preflight(
     checks = [
         ("Hugging Face token", lambda: check_hub_access(api, spec)),
         ("dataset", lambda: check_dataset(api, spec)),
+        ("eval split", lambda: check_eval_split(api, StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
         (
             "reservation",
             lambda: check_reservation(
@@ -217,7 +243,7 @@ def run_preflight(
     found, failures = [], []
     token_invalid = False
     for name, check in checks:
-        if token_invalid and name == "dataset":
+        if token_invalid and name in ("dataset", "eval split"):
             failures.append(f"{name}: not checked (the Hugging Face token is invalid)")
             continue
         try:

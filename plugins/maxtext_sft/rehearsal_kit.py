@@ -33,7 +33,7 @@ def toy_args_file() -> Path:
 
 def toy_args(work_dir: str) -> dict[str, Any]:
     """toy_args.json with {kit} replaced by kit_path(work_dir): {"convert": [...], "train": [...],
-    "export": [...], "dataset": {"path": ..., "split": ...}}."""
+    "export": [...], "dataset": {"path": ..., "split": ..., "eval_split": ...}}."""
     kit = kit_path(work_dir)
 
     def substitute(value):

@@ -24,6 +24,10 @@ def label_value(text: str) -> str:
 
 # Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
 ORBAX_COMMIT_MARKER = "commit_success.txt"
+# What start_training.sh copies into the run's folder in storage as the training exits (its
+# STORAGE_FOLDER argument): the log's step lines and MaxText's metrics file.
+TRAINING_STEPS_NAME = "training-steps.log"
+TRAINING_METRICS_NAME = "training-metrics.jsonl"
 
 # The recovery ledger's objects (vm_recovery.py): N.json per recovery, N-resumed.json once its
 # training resumed.
@@ -77,6 +81,11 @@ class RunPaths:
     def train_files_pattern(self) -> str:
         """The training split's files in a Hub dataset (UltraChat's data/<split>-*.parquet layout)."""
         return f"data/{self.train_split}-*.parquet"
+
+    @property
+    def eval_files_pattern(self) -> str | None:
+        """The held-out split's files, in the same layout; None when the run does not evaluate."""
+        return f"data/{self.eval_split}-*.parquet" if self.eval_split else None
 
     @property
     def durable(self) -> bool:
@@ -135,8 +144,14 @@ class RunPaths:
     @property
     def training_steps_uri(self) -> str | None:
         """The training's per-step lines, copied next to its checkpoints when it exits: the final
-        loss and the loss curve outlive the VM. None without an output location."""
-        return f"{self.run_output_dir}/training-steps.log" if self.output_location else None
+        loss outlives the VM. None without an output location."""
+        return f"{self.run_output_dir}/{TRAINING_STEPS_NAME}" if self.output_location else None
+
+    @property
+    def training_metrics_uri(self) -> str | None:
+        """MaxText's metrics file (train and eval losses by step), copied there when the training
+        exits: the loss history and the eval results outlive the VM. None without an output location."""
+        return f"{self.run_output_dir}/{TRAINING_METRICS_NAME}" if self.output_location else None
 
     @property
     def run_record_uri(self) -> str | None:

@@ -163,6 +163,15 @@ PARAMS: tuple[Declared, ...] = (
              pattern=SAFE_TOKEN, what="a split name"),
     Declared("train_data_columns", "array", ["messages"], "Dataset columns (TRAIN_DATA_COLUMNS).", MODEL,
              pattern=SAFE_TOKEN, what="a column name", min_items=1),
+    # Held-out evaluation: MaxText's own eval loop (eval_interval = steps) measures the base model
+    # before the first step and the tuned model after the last, on the same batches.
+    Declared("eval_split", "string", "test_sft",
+             "Held-out split the base and the tuned model are evaluated on (UltraChat 200k: test_sft); "
+             "empty: no evaluation, and publishing is not gated on it.", MODEL,
+             nullable=True, pattern=SAFE_TOKEN, what="a split name"),
+    Declared("eval_steps", "integer", 25,
+             "Batches of the held-out split each evaluation reads (each one as large as a training batch).",
+             MODEL, minimum=1, maximum=100_000),
     Declared("steps", "integer", 1000, "Training steps (STEPS).", MODEL, minimum=1, maximum=10_000_000),
     Declared("per_device_batch_size", "integer", 1, "Per-device batch size (PER_DEVICE_BATCH_SIZE).", MODEL,
              minimum=1, maximum=4096),
@@ -190,6 +199,10 @@ PARAMS: tuple[Declared, ...] = (
              what="a branch name"),
     Declared("hub_max_final_loss", "number", None, "Publish only if the final loss is at most this.", OUTPUTS,
              nullable=True),
+    Declared("hub_min_eval_improvement", "number", 0.0,
+             "Publish only if the tuned model's eval loss is at least this much below the eval loss of the "
+             "model last published to the same repo and branch (on the same eval split); it must always beat "
+             "the base model's.", OUTPUTS, minimum=0.0, maximum=100.0),
     # Timeouts, polling and recovery
     Declared("ssh_connect_timeout_seconds", "integer", 30, "SSH connect/banner/auth timeout.", TIMING,
              minimum=1, maximum=600),

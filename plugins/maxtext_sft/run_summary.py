@@ -198,6 +198,9 @@ def build_summary(
         "vm": vm,
         "final_step": (training or {}).get("final_step"),
         "final_loss": (training or {}).get("final_loss"),
+        # The held-out evaluation, from the run record: {"base": ..., "tuned": ...} and its split.
+        "eval_split": (record or {}).get("eval_split"),
+        "eval_loss": (record or {}).get("eval_loss"),
         "outputs": outputs,
         "published": dict(published) if published else None,
         "recoveries": [dict(row) for row in recoveries],
@@ -272,6 +275,10 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines.append("Training: no final step or loss (the training did not finish)")
     else:
         lines.append(f"Training: final step {summary['final_step']}, final loss {summary['final_loss']}")
+    if summary.get("eval_split") and summary.get("eval_loss"):
+        loss = summary["eval_loss"]
+        shown = {k: "not measured" if loss.get(k) is None else f"{loss[k]:.4f}" for k in ("base", "tuned")}
+        lines.append(f"Held-out eval loss on {summary['eval_split']}: base {shown['base']}, tuned {shown['tuned']}")
     if summary["outputs"]:
         lines.append("Outputs:")
         lines += [f"  {key}: {value}" for key, value in summary["outputs"].items() if value]
@@ -279,7 +286,12 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines.append(f"Outputs: none recorded ({outputs} did not succeed)")
     if summary["published"]:
         published = summary["published"]
-        lines.append(f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}")
+        if published.get("published", True):  # a run summarized before the gate returned no flag
+            lines.append(
+                f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}"
+            )
+        else:
+            lines.append(f"Not published: {published.get('reason')}")
     if summary.get("rehearsal_checks") is not None:
         lines += render_checks(summary["rehearsal_checks"])
     lines += [f"Warning: {warning}" for warning in summary["warnings"]]

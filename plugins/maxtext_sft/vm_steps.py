@@ -86,6 +86,7 @@ STEPS: dict[str, VmStep] = {
             s.tpu["topology"],
             s.tpu["chips_per_host_bounds"],
             s.training_steps_uri or "",
+            s.training_metrics_uri or "",
             # "resuming": set by a VM recovery (sensors/vm.py), not by the DAG's start_training.
             *s.train_args(results.get("base_checkpoint"), resuming=results.get("resuming") == "yes"),
         ],
@@ -98,9 +99,10 @@ STEPS: dict[str, VmStep] = {
         timeout_seconds=lambda s: 120,
         needs_hf_token=False,
     ),
-    # Read only; collect_outputs parses the lines (loss_curve.STEP_LINE) for the loss curve.
-    "loss_history": VmStep(
-        script="loss_history.sh",
+    # Read only; collect_outputs parses the lines (training_metrics.parse_metrics) for the loss
+    # history, the eval results and the final loss.
+    "training_metrics": VmStep(
+        script="training_metrics.sh",
         arguments=lambda s, _: [s.work_dir, s.run_name, str(MAX_POINTS)],
         timeout_seconds=lambda s: 120,
         needs_hf_token=False,

@@ -35,7 +35,8 @@ def dataset_history(local_cloud, pipeline_connections):
         DATASET,
         repo_type="dataset",
         commits=[
-            {"files": {"data/train_sft-00000-of-00001.parquet": f"chats of {day - timedelta(hours=12):%b %d}"},
+            {"files": {"data/train_sft-00000-of-00001.parquet": f"chats of {day - timedelta(hours=12):%b %d}",
+                       "data/test_sft-00000-of-00001.parquet": f"held-out chats of {day - timedelta(hours=12):%b %d}"},
              "date": (day - timedelta(hours=12)).isoformat()}
             for day in DAYS
         ],

@@ -10,6 +10,7 @@ import copy
 import json
 import re
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,10 +18,11 @@ from huggingface_hub import HfApi
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
+from maxtext_sft.outputs import published_eval_loss
 from maxtext_sft.spec import RunSpec
 from tests.conftest import local_bucket
 from tests.dags.conftest import parse_pipeline_dag
-from tests.plugins.test_loss_curve import decode_png
+from tests.plugins.test_loss_curve import png_size
 
 pytestmark = pytest.mark.e2e
 
@@ -86,10 +88,15 @@ def test_the_loss_curve_and_the_loss_history_are_beside_the_run_record(durable_r
     assert record["run_record"] == f"gs://{BUCKET}/{run_prefix}run-record.json"
     assert record["loss_curve"] == f"gs://{BUCKET}/{run_prefix}loss-curve.png"
     history = record["loss_history"]
-    assert [step for step, _ in history] == list(range(1, 13))  # every step the training log has
-    assert history[-1][1] == float(record["final_loss"])
-    width, height, _ = decode_png(bucket.blob(run_prefix + "loss-curve.png").download_as_bytes())
-    assert (width, height) == (640, 400)
+    assert [step for step, _ in history] == list(range(1, 13))  # every step MaxText's metrics file has
+    assert history[-1][1] == pytest.approx(float(record["final_loss"]), abs=5e-4)  # the log prints 3 decimals
+    # The held-out evaluation: before the first step (the base model) and after the last.
+    assert [step for step, _ in record["eval_history"]] == [0, 12]
+    assert record["eval_split"] == "test_sft"
+    assert record["eval_loss"]["tuned"] < record["eval_loss"]["base"]
+    # The metrics file itself outlives the VM, beside the run record.
+    assert bucket.blob(run_prefix + "training-metrics.jsonl").exists()
+    assert png_size(bucket.blob(run_prefix + "loss-curve.png").download_as_bytes()) == (640, 400)
 
 
 def test_the_vm_was_deleted_after_the_upload_finished(durable_run, bucket):
@@ -193,6 +200,39 @@ def test_a_diverged_run_publishes_nothing_and_fails_saying_why(run_pipeline, hub
     assert f"Not publishing to {HUB_REPO}: the final loss is nan: the training diverged" in run.log
     assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
     assert local_cloud.vms() == []
+
+
+def test_a_model_worse_on_held_out_data_is_not_published_and_the_run_succeeds_saying_why(
+    durable_run, run_pipeline, hub, local_cloud
+):
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    run = run_pipeline(
+        {"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 4},
+        maxtext_faults={"train_sft": {"eval_loss_rises": True}},
+    )
+    assert run.state == "success", run.report()
+    published = run.xcoms["publish_to_hub.return_value"]
+    assert published["published"] is False
+    assert "the tuned model's eval loss" in published["reason"] and "is not below the base model's" in published["reason"]
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
+    assert f"Not published: {published['reason']}" in run.log  # the run summary says why
+
+
+def test_a_model_not_better_than_the_last_published_one_by_the_margin_is_not_published(
+    durable_run, run_pipeline, hub, local_cloud
+):
+    # The durable run published 12 steps; 4 steps leave the stand-in's eval loss higher than that.
+    last = published_eval_loss(
+        Path(hub.hf_hub_download(HUB_REPO, "README.md")).read_text(), RunSpec.from_dict(durable_run[0].xcoms["plan_run.spec"])
+    )
+    assert last is not None
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    run = run_pipeline({"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 4,
+                        "hub_min_eval_improvement": 0.001})
+    assert run.state == "success", run.report()
+    reason = run.xcoms["publish_to_hub.return_value"]["reason"]
+    assert f"is not 0.001 or more below {last:.4g}, the eval loss of the model last published to {HUB_REPO}@main" in reason
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
 
 
 def test_a_half_written_final_step_is_not_taken_as_done(run_pipeline, local_cloud):

@@ -37,6 +37,11 @@ CASES = [
         cause=f"dataset {LOCAL_HUB_USER}/no-such-dataset does not exist",
     ),
     Case("dataset revision missing", {"dataset_revision": "no-such-revision"}, cause="has no revision 'no-such-revision'"),
+    Case(
+        "held-out split missing from the pinned snapshot",
+        {"eval_split": "validation"},
+        cause="has no files data/validation-*.parquet to evaluate on (Param eval_split",
+    ),
     Case("reservation missing", {"reservation": "no-such-reservation"}, cause="no-such-reservation in local-project/us-east5-b does not exist"),
     Case(
         "reservation full, no wait allowed",

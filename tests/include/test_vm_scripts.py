@@ -26,6 +26,7 @@ from localcloud.cloud import storage_env
 from maxtext_sft.loss_curve import parse_loss_history
 from maxtext_sft.outputs import check_export_folder
 from maxtext_sft.spec import build_run_spec
+from maxtext_sft.training_metrics import parse_metrics
 from maxtext_sft.vm_steps import STEPS, vm_scripts_dir
 from tests.plugins.test_outputs import SHARDS, write_export
 
@@ -198,25 +199,50 @@ def test_exit_zero_before_the_final_step_is_a_failure(vm):
     assert "run out of training data" in seen
 
 
+def run_script(vm, script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {"HOME": str(vm.home), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(["bash", str(vm_scripts_dir() / script), *args], capture_output=True, text=True, env=env)
+
+
 def test_loss_history_prints_every_step_line_of_the_training_and_is_safe_to_run_twice(vm):
-    missing = vm.run("loss_history", check=False)
+    # start_training.sh copies these lines to storage as the training exits (the final loss).
+    args = (vm.spec.work_dir, vm.spec.run_name)
+    missing = run_script(vm, "loss_history.sh", *args, "2000")
     assert missing.returncode != 0 and "no training log" in missing.stderr
     converted(vm)
     vm.run("start_training")
     assert vm.wait_for_training()[0]["state"] == "succeeded"
-    first = vm.run("loss_history", token=None)
-    assert first.stdout == vm.run("loss_history", token=None).stdout
+    first = run_script(vm, "loss_history.sh", *args, "2000")
+    assert first.returncode == 0 and first.stdout == run_script(vm, "loss_history.sh", *args, "2000").stdout
     lines = first.stdout.splitlines()
     assert all("completed step: " in line for line in lines)
     history = parse_loss_history(lines)
     assert [step for step, _ in history] == list(range(1, 13))
     assert all(isinstance(loss, float) and loss > 0 for _, loss in history)
     # A long log is thinned to MAX_LINES lines, the first and last step always kept.
-    script, args = vm_scripts_dir() / STEPS["loss_history"].script, STEPS["loss_history"].arguments(vm.spec, {})
-    env = {"HOME": str(vm.home), "PATH": "/usr/bin:/bin"}
-    thin = subprocess.run(["bash", str(script), *args[:2], "5"], capture_output=True, text=True, env=env, check=True)
-    steps = [step for step, _ in parse_loss_history(thin.stdout.splitlines())]
+    steps = [step for step, _ in parse_loss_history(run_script(vm, "loss_history.sh", *args, "5").stdout.splitlines())]
     assert len(steps) <= 5 and steps[0] == 1 and steps[-1] == 12
+
+
+def test_training_metrics_prints_every_eval_and_the_steps_metrics_and_is_safe_to_run_twice(vm):
+    missing = vm.run("training_metrics", check=False)
+    assert missing.returncode != 0 and "no metrics file" in missing.stderr
+    converted(vm)
+    vm.run("start_training")
+    assert vm.wait_for_training()[0]["state"] == "succeeded"
+    first = vm.run("training_metrics", token=None)
+    assert first.stdout == vm.run("training_metrics", token=None).stdout
+    metrics = parse_metrics(first.stdout.splitlines())
+    assert [step for step, _ in metrics.train] == list(range(1, 13))
+    # eval_interval = steps: the base model before the first step, the tuned one after the last.
+    assert [step for step, _ in metrics.eval] == [0, 12]
+    results = metrics.eval_results(12)
+    assert results["tuned"] < results["base"]
+    # Many steps are thinned to MAX_LINES lines, the evaluations all kept.
+    script, args = STEPS["training_metrics"].script, STEPS["training_metrics"].arguments(vm.spec, {})
+    thin = parse_metrics(run_script(vm, script, *args[:2], "5").stdout.splitlines())
+    assert len(thin.train) <= 5 and thin.train[0][0] == 1 and thin.train[-1][0] == 12
+    assert thin.eval == metrics.eval
 
 
 def test_export_writes_the_hf_files_and_is_safe_to_run_twice(vm):

@@ -1,24 +1,16 @@
-"""The loss history from MaxText's log lines, and the PNG that draws it (decoded here, byte by byte)."""
+"""The loss history from MaxText's log lines, and the chart matplotlib draws of it (read back with
+Pillow, matplotlib's own image library)."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import io
 
-import pytest
+from PIL import Image
 
-from maxtext_sft.loss_curve import (
-    AXIS,
-    CURVE,
-    INSET,
-    Scale,
-    downsample,
-    final_loss_text,
-    parse_loss_history,
-    plot_box,
-    render_loss_curve,
-)
-from maxtext_sft.png import PNG_SIGNATURE, Canvas, encode_png
+from maxtext_sft.loss_curve import downsample, final_loss_text, parse_loss_history, render_loss_curve
+
+# matplotlib's default colour cycle: tab:blue and tab:orange, as the chart draws train and eval.
+TRAIN_BLUE, EVAL_ORANGE = (31, 119, 180), (255, 127, 14)
 
 
 def step_line(step: int, loss: str) -> str:
@@ -30,34 +22,17 @@ def step_line(step: int, loss: str) -> str:
     )
 
 
-def decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
-    """Width, height and rows of RGB pixels: an independent reader of what png.py writes."""
-    assert data[:8] == PNG_SIGNATURE
-    position, chunks = 8, []
-    while position < len(data):
-        (length,) = struct.unpack(">I", data[position : position + 4])
-        kind, body = data[position + 4 : position + 8], data[position + 8 : position + 8 + length]
-        (crc,) = struct.unpack(">I", data[position + 8 + length : position + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks.append((kind, body))
-        position += 12 + length
-    assert [kind for kind, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, colour, compression, filtering, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour, compression, filtering, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(chunks[1][1])
-    stride = 1 + width * 3
-    assert len(raw) == stride * height
-    rows = []
-    for y in range(height):
-        line = raw[y * stride : (y + 1) * stride]
-        assert line[0] == 0  # filter type none
-        rows.append([tuple(line[1 + 3 * x : 4 + 3 * x]) for x in range(width)])
-    return width, height, rows
+def png_size(data: bytes) -> tuple[int, int]:
+    image = Image.open(io.BytesIO(data))
+    assert image.format == "PNG"
+    return image.size
 
 
-def near(rows, x: int, y: int, color, radius: int = 1) -> bool:
-    return any(
-        rows[y + dy][x + dx] == color for dx in range(-radius, radius + 1) for dy in range(-radius, radius + 1)
+def count_colour(data: bytes, colour: tuple[int, int, int], tolerance: int = 12) -> int:
+    """Pixels close to `colour` (antialiasing blends a line's edges)."""
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    return sum(
+        1 for pixel in image.get_flattened_data() if all(abs(a - b) <= tolerance for a, b in zip(pixel, colour, strict=True))
     )
 
 
@@ -85,58 +60,22 @@ def test_a_long_history_is_thinned_keeping_the_first_and_last_points():
     assert downsample(history[:50], limit=100) == history[:50]
 
 
-def test_the_encoder_writes_a_png_any_reader_takes():
-    pixels = bytes([255, 0, 0, 0, 255, 0, 0, 0, 255, 10, 20, 30])
-    width, height, rows = decode_png(encode_png(2, 2, pixels))
-    assert (width, height) == (2, 2)
-    assert rows == [[(255, 0, 0), (0, 255, 0)], [(0, 0, 255), (10, 20, 30)]]
-    with pytest.raises(ValueError):
-        encode_png(3, 2, pixels)
-
-
-def test_canvas_lines_reach_both_ends_and_ignore_what_falls_outside():
-    canvas = Canvas(10, 10)
-    canvas.line(0, 9, 9, 0, (1, 2, 3))
-    canvas.line(-5, 5, 20, 5, (4, 5, 6))  # clipped, not an error
-    assert canvas.get(0, 9) == canvas.get(9, 0) == (1, 2, 3)
-    assert all(canvas.get(x, 5) == (4, 5, 6) for x in range(10))
-
-
-def test_the_chart_has_its_size_axes_and_the_curve_where_the_points_are():
-    history = [[10, 3.0], [20, 2.0], [30, 1.5], [40, 1.0]]
-    width, height, rows = decode_png(render_loss_curve(history, width=400, height=300))
-    assert (width, height) == (400, 300)
-    left, top, right, bottom = plot_box(400, 300)
-    assert all(rows[y][left] == AXIS for y in range(top, bottom + 1))  # the loss axis
-    assert all(rows[bottom][x] == AXIS for x in range(left, right + 1))  # the step axis
-    # The first point is the highest loss at the first step: top left of the plot; the last, bottom right.
-    assert near(rows, left + INSET, top + INSET, CURVE)
-    assert near(rows, right - INSET, bottom - INSET, CURVE)
-    scale = Scale(history, 400, 300)
-    for (s0, l0), (s1, l1) in zip(history, history[1:]):
-        x, y = (scale.x(s0) + scale.x(s1)) // 2, (scale.y(l0) + scale.y(l1)) // 2
-        assert near(rows, x, y, CURVE, radius=2), (s0, s1)
-    # Nothing of the curve outside the plot box.
-    for y, row in enumerate(rows):
-        for x, pixel in enumerate(row):
-            if pixel == CURVE:
-                assert left < x < right and top < y < bottom, (x, y)
-    # Tick labels were drawn below the step axis and left of the loss axis.
-    assert any(AXIS in rows[y][left:right] for y in range(bottom + 8, bottom + 18))
-    assert any(AXIS in rows[y][:left - 6] for y in range(top, bottom))
+def test_the_chart_is_a_png_with_the_training_curve_and_the_eval_points():
+    history = [[step, 3.0 - step / 20] for step in range(1, 41)]
+    train_only = render_loss_curve(history)
+    assert png_size(train_only) == (640, 400)
+    assert count_colour(train_only, TRAIN_BLUE) > 200  # a line across the plot
+    assert count_colour(train_only, EVAL_ORANGE) == 0
+    with_eval = render_loss_curve(history, eval_history=[[0, 3.2], [40, 1.2]])
+    assert count_colour(with_eval, EVAL_ORANGE) > 50  # the eval line, its two markers and the legend's
 
 
 def test_a_gap_where_the_loss_was_not_a_number_and_a_lone_point_still_shows():
-    history = [[1, 2.0], [2, None], [3, 1.0]]
-    _, _, rows = decode_png(render_loss_curve(history))
-    scale = Scale(history)
-    middle_x, middle_y = scale.x(2), (scale.y(2.0) + scale.y(1.0)) // 2
-    assert not near(rows, middle_x, middle_y, CURVE, radius=3)  # not joined across the NaN
-    assert near(rows, scale.x(1), scale.y(2.0), CURVE) and near(rows, scale.x(3), scale.y(1.0), CURVE)
-    _, _, rows = decode_png(render_loss_curve([[7, 0.5]]))
-    scale = Scale([[7, 0.5]])
-    assert near(rows, scale.x(7), scale.y(0.5), CURVE)
-    decode_png(render_loss_curve([]))  # an empty history is an empty chart, not an error
+    joined = count_colour(render_loss_curve([[1, 2.0], [2, 1.5], [3, 1.0]]), TRAIN_BLUE)
+    broken = count_colour(render_loss_curve([[1, 2.0], [2, None], [3, 1.0]]), TRAIN_BLUE)
+    assert broken < joined  # not joined across the NaN
+    assert count_colour(render_loss_curve([[7, 0.5]]), TRAIN_BLUE) > 20  # a lone point is a marker
+    assert png_size(render_loss_curve([])) == (640, 400)  # an empty history is an empty chart, not an error
 
 
 def test_the_final_loss_is_the_final_steps_as_printed():

@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "spec", "bake",
     }),
     ("pure helpers", {
-        "cloud_errors", "sizing", "snapshots", "png", "loss_curve", "outputs", "lineage", "rehearsal", "run_summary",
+        "cloud_errors", "sizing", "snapshots", "loss_curve", "training_metrics", "outputs", "lineage", "rehearsal",
+        "run_summary",
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",

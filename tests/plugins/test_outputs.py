@@ -7,6 +7,7 @@ import math
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 
 from maxtext_sft.outputs import (
     ExportLayoutError,
@@ -14,10 +15,13 @@ from maxtext_sft.outputs import (
     check_export_folder,
     check_export_layout,
     check_final_loss,
+    eval_gate,
     hub_commit_title,
     model_card,
+    published_eval_loss,
     run_record,
 )
+from maxtext_sft.training_metrics import parse_metrics
 from tests.plugins.test_spec import RUN_ID, make_spec
 
 
@@ -84,16 +88,96 @@ def test_the_record_says_whether_checkpoints_were_durable():
     assert record["checkpoints"] is None and record["checkpoints_durable"] is False
 
 
-def test_the_record_keeps_the_loss_history_and_where_it_and_the_chart_went():
-    spec = make_spec(output_location="gs://bkt/p")
-    history = [[1, 2.5], [2, None], [3, 1.5]]
+def test_the_record_keeps_the_losses_the_eval_results_and_where_they_and_the_chart_went():
+    spec = make_spec(output_location="gs://bkt/p", steps=3)
+    metrics = parse_metrics([
+        metrics_line(0, **{"eval/avg_loss": 2.9}),
+        metrics_line(1, **{"learning/loss": 2.5}),
+        metrics_line(2, **{"learning/loss": math.nan}),
+        metrics_line(3, **{"learning/loss": 1.5}),
+        metrics_line(3, **{"eval/avg_loss": 2.1}),
+    ])
     record = run_record(spec, training={"final_step": 3, "final_loss": "1.5"}, base_checkpoint=None,
-                        hf_export=spec.hf_export_uri, location=spec.run_record_uri, loss_history=history,
+                        hf_export=spec.hf_export_uri, location=spec.run_record_uri, metrics=metrics,
                         loss_curve=f"{spec.run_output_dir}/loss-curve.png")
     assert record["run_record"] == f"gs://bkt/p/runs/{spec.run_name}/run-record.json"
-    assert record["loss_history"] == history
+    assert record["loss_history"] == [[1, 2.5], [2, None], [3, 1.5]]
+    assert record["eval_history"] == [[0, 2.9], [3, 2.1]]
+    assert (record["eval_split"], record["eval_loss"]) == ("test_sft", {"base": 2.9, "tuned": 2.1})
     assert record["loss_curve"] == f"gs://bkt/p/runs/{spec.run_name}/loss-curve.png"
-    assert json.loads(json.dumps(record, allow_nan=False))["loss_history"] == history  # strict JSON: no NaN
+    assert json.loads(json.dumps(record, allow_nan=False))["loss_history"] == record["loss_history"]  # strict JSON
+
+
+def metrics_line(step: int, **scalars) -> str:
+    """A line as MaxText 0.2.2's write_metrics_locally writes it."""
+    return json.dumps({**scalars, "step": float(step), "run_name": "run"})
+
+
+def test_metrics_are_by_step_the_last_write_of_a_step_winning_and_broken_lines_skipped():
+    metrics = parse_metrics([
+        metrics_line(0, **{"eval/avg_loss": 3.0, "eval/total_loss": 75.0}),
+        metrics_line(1, **{"learning/loss": 2.8, "learning/total_weights": 200.0}),
+        metrics_line(2, **{"learning/loss": 2.6}),
+        metrics_line(2, **{"learning/loss": 2.5}),  # resumed from step 1 on the same VM: step 2 again
+        '{"learning/loss": 2.4, "step": 3.0, "run_na',  # cut by a crash
+        "not json",
+        metrics_line(4, **{"learning/loss": math.inf}),
+        metrics_line(4, **{"eval/avg_loss": 2.2}),
+    ])
+    assert metrics.train == [[1, 2.8], [2, 2.5], [4, None]]
+    assert metrics.eval == [[0, 3.0], [4, 2.2]]
+    assert metrics.eval_results(4) == {"base": 3.0, "tuned": 2.2}
+    assert metrics.eval_results(5) == {"base": 3.0, "tuned": None}  # no evaluation after the final step
+    assert parse_metrics([metrics_line(7, **{"eval/avg_loss": 2.0})]).eval_results(7) == {"base": None, "tuned": 2.0}
+
+
+def test_the_card_reports_the_tuned_eval_loss_as_model_index_the_hub_parser_reads():
+    spec = make_spec(hub_repo_id="team/gemma-sft", dataset_revision="0123abc", steps=30)
+    card = model_card(spec, final_step=30, final_loss="1.2", eval_loss={"base": 2.5, "tuned": 1.9})
+    [result] = ModelCard(card).data.eval_results  # huggingface_hub's own model-index parser
+    assert (result.metric_type, result.metric_value, result.task_type) == ("loss", 1.9, "text-generation")
+    assert (result.dataset_type, result.dataset_split, result.dataset_revision) == (
+        "HuggingFaceH4/ultrachat_200k", "test_sft", "0123abc")
+    assert card_metadata(card)["model-index"][0]["name"] == "team/gemma-sft"
+    assert "base model 2.5000, tuned 1.9000 (split `test_sft`, 25 batches)" in card
+    assert published_eval_loss(card, spec) == 1.9
+    # Another split, or no evaluation at all: nothing to compare with.
+    assert published_eval_loss(card, make_spec(hub_repo_id="team/gemma-sft", eval_split="other")) is None
+    unevaluated = model_card(make_spec(eval_split=None), final_step=30, final_loss="1.2")
+    assert ModelCard(unevaluated).data.eval_results is None
+    assert "not evaluated (Param eval_split empty)" in unevaluated
+    assert published_eval_loss(unevaluated, spec) is None
+    assert published_eval_loss("no front matter at all", spec) is None
+
+
+@pytest.mark.parametrize(
+    ("conf", "eval_loss", "last_published", "reason"),
+    [
+        ({}, {"base": 2.0, "tuned": 2.0}, None, "eval loss 2 is not below the base model's 2 on test_sft"),
+        ({}, {"base": 2.0, "tuned": 2.1}, None, "is not below the base model's"),
+        ({}, {"base": None, "tuned": 1.5}, None, "base model's eval loss on test_sft was not measured"),
+        ({}, {"base": 2.0, "tuned": None}, None, "tuned model's eval loss on test_sft was not measured"),
+        ({}, None, None, "tuned model's eval loss on test_sft was not measured"),
+        ({}, {"base": 2.0, "tuned": 1.5}, 1.4, "not 0 or more below 1.4, the eval loss of the model last published"),
+        ({"hub_min_eval_improvement": 0.1}, {"base": 2.0, "tuned": 1.5}, 1.55, "not 0.1 or more below 1.55"),
+    ],
+)
+def test_the_eval_gate_says_why_a_model_is_not_published(conf, eval_loss, last_published, reason):
+    spec = make_spec(hub_repo_id="team/gemma-sft", **conf)
+    assert reason in eval_gate(spec, eval_loss, last_published)
+
+
+@pytest.mark.parametrize(
+    ("conf", "eval_loss", "last_published"),
+    [
+        ({}, {"base": 2.0, "tuned": 1.5}, None),  # the first publication: beats the base model
+        ({}, {"base": 2.0, "tuned": 1.5}, 1.5),  # as good as the last one, no margin asked
+        ({"hub_min_eval_improvement": 0.1}, {"base": 2.0, "tuned": 1.4}, 1.5),
+        ({"eval_split": None}, None, 1.0),  # not evaluated: not gated
+    ],
+)
+def test_the_eval_gate_lets_a_better_model_through(conf, eval_loss, last_published):
+    assert eval_gate(make_spec(hub_repo_id="team/gemma-sft", **conf), eval_loss, last_published) is None
 
 
 # ----- the export's layout: one model.safetensors, or the index and its shards ----------------

@@ -52,7 +52,7 @@ def test_every_kit_path_is_substituted(monkeypatch, work_dir, kit):
     assert "{kit}" not in json.dumps(args)
     # The same arguments, only the placeholder replaced.
     assert json.dumps(args) == json.dumps(raw).replace("{kit}", kit)
-    assert args["dataset"] == {"path": f"{kit}/datasets/ultrachat_200k", "split": "train_sft"}
+    assert args["dataset"] == {"path": f"{kit}/datasets/ultrachat_200k", "split": "train_sft", "eval_split": "test_sft"}
     # The kit's checkpoint and tokenizer, not google/gemma-3-4b-it from the Hub.
     assert f"--hf_model_path={kit}/model" in args["convert"]
     assert f"tokenizer_path={kit}/tokenizer" in args["train"]

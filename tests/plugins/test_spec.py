@@ -69,12 +69,42 @@ def test_train_command_matches_the_tutorial():
         "hf_path=HuggingFaceH4/ultrachat_200k",
         "train_split=train_sft",
         "train_data_columns=['messages']",
+        # Not in the tutorial: the held-out evaluation, before the first step and after the last.
+        "eval_interval=1000",
+        "eval_steps=25",
+        "hf_eval_split=test_sft",
+        "eval_data_columns=['messages']",
         "profiler=xplane",
     ]
+    assert "eval_interval=-1" in make_spec(eval_split=None).train_args()
     assert spec.final_checkpoint_path == f"/dev/shm/gemma3-4b/post-train/{spec.run_name}/checkpoints/1000/model_params"
     assert "checkpoint_storage_use_zarr3=1" in spec.convert_args()
     assert "checkpoint_storage_use_zarr3=0" in make_spec(use_pathways=True).convert_args()
     assert not any("hf_access_token" in a for a in spec.convert_args() + spec.train_args() + spec.export_args())
+
+
+@pytest.mark.parametrize(
+    ("conf", "eval_files"),
+    [
+        # A pinned snapshot: the held-out split's files at the same commit, as the training's.
+        ({"dataset_revision": "0123abc"},
+         ["hf_eval_files=hf://datasets/HuggingFaceH4/ultrachat_200k@0123abc/data/test_sft-*.parquet",
+          "hf_eval_split=train"]),
+        # A bucket folder: its files of the split, read by the parquet builder.
+        ({"dataset_name": "gs://team/chats"}, ["hf_eval_files=gs://team/chats/data/test_sft-*.parquet",
+                                               "hf_eval_split=train"]),
+        ({"dataset_name": "/data/chats", "eval_split": "validation"}, ["hf_eval_split=validation"]),
+    ],
+)
+def test_the_eval_split_is_read_like_the_training_split(conf, eval_files):
+    args = make_spec(**conf).train_args()
+    assert [a for a in args if a.startswith(("hf_eval_files=", "hf_eval_split="))] == eval_files
+
+
+def test_evaluation_and_the_metrics_file_are_the_pipelines_to_set():
+    for key in ("eval_interval", "hf_eval_split", "metrics_file"):
+        with pytest.raises(SpecError, match=f"'{key}' is set by the pipeline"):
+            make_spec(train_extra_args=[f"{key}=x"])
 
 
 def test_a_resumed_training_does_not_profile():

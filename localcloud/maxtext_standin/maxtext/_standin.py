@@ -14,7 +14,8 @@ silently. All keys are optional:
                                              #    "out_of_data_at_step" /
                                              #    "partial_checkpoint_at_step" /
                                              #    "partial_checkpoint_exit_at_step" /
-                                             #    "loss_nan_from_step"
+                                             #    "loss_nan_from_step" /
+                                             #    "eval_loss_rises" (true)
       "to_maxtext": {"fail": "message"},
       "to_huggingface": {"fail": "message"}
     }
@@ -45,6 +46,8 @@ For a train_sft fault at step k (only steps this run actually trains count):
                       (a save that failed without an error reaching the loop).
   loss_nan_from_step  the loss of step k and later is logged as nan (a diverged
                       run); training otherwise finishes normally.
+  eval_loss_rises     the held-out eval loss grows with the steps (a fine-tune
+                      that makes the model worse); training otherwise finishes normally.
 A converter "fail" raises RuntimeError(message): a traceback and exit 1.
 Any of the three may carry "barrier": NAME (see hold_at_barrier): the command
 waits at its start, with the Hugging Face token in its environment, until a test
@@ -98,6 +101,7 @@ _FAULT_KEYS = {
         "partial_checkpoint_at_step",
         "partial_checkpoint_exit_at_step",
         "loss_nan_from_step",
+        "eval_loss_rises",
         "barrier",
     },
     "to_maxtext": {"fail", "barrier"},
@@ -126,6 +130,8 @@ def load_faults():
                 for name, arg in value.items():
                     if name == "barrier":
                         ok = isinstance(arg, str) and re.fullmatch(r"[A-Za-z0-9._-]+", arg) is not None
+                    elif name == "eval_loss_rises":
+                        ok = arg is True
                     else:
                         ok = isinstance(arg, str) if name == "fail" else (type(arg) is int and arg >= 1)
                     if not ok:

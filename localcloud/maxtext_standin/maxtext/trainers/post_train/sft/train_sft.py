@@ -11,6 +11,15 @@ Imitates MaxText 0.2.2's SFT run, whose loop is Tunix's PeftTrainer:
   next step), so the last step's line comes after "Train loop finished in".
 - A re-run with the same run_name restores the latest checkpoint there and
   trains only the later steps.
+- With eval_interval > 0, Tunix evaluates before the first step (the loaded model: the base
+  model in a fresh run, the restored step in a resumed one) and after every eval_interval-th
+  step, eval_steps batches of hf_eval_split (or hf_eval_files); MaxText logs "eval metrics after
+  step: N, loss=..." and, as every metric, writes it to metrics_file.
+- With metrics_file, MaxText's MetricLogger.write_metrics_locally (common/metric_logger.py,
+  0.2.2) appends one JSON line per write: the scalars by name ("learning/loss",
+  "learning/total_weights" for a step; "eval/avg_loss", "eval/total_loss", "eval/total_weights",
+  "eval/avg_perplexity" for an evaluation), "step" as a float and "run_name"; a write at step 0
+  first truncates the file. A NaN loss is written as NaN (json.dumps allows it).
 - With profiler=xplane, Tunix traces steps skip..skip+profiler_steps counted
   from the restored step, writing tensorboard/plugins/profile/<time>/<host>.xplane.pb,
   and refuses to start when that window is empty (steps=1, or a re-run of a
@@ -20,6 +29,8 @@ maxtext/_standin.py.
 """
 
 import glob
+import json
+import math
 import os
 import signal
 import socket
@@ -49,6 +60,29 @@ def _check_train_files(config):
         raise FileNotFoundError(f"Unable to find '{pattern}'")
 
 
+def _check_eval_files(config):
+    pattern = config.hf_eval_files
+    if config.eval_interval > 0 and pattern and "://" not in pattern and not glob.glob(pattern):
+        raise FileNotFoundError(f"Unable to find '{pattern}'")
+
+
+def _write_metrics(config, scalars, step):
+    """MaxText's write_metrics_locally: append a JSON line; a step-0 write truncates first."""
+    if not config.metrics_file:
+        return
+    with open(config.metrics_file, "a", encoding="utf8") as metrics_file:
+        if step == 0:
+            metrics_file.truncate(0)
+        metrics_file.write(json.dumps({**scalars, "step": float(step), "run_name": config.run_name}) + "\n")
+
+
+def eval_loss(step, fault):
+    """The stand-in's held-out loss after `step` updates: falling without jitter (an average over
+    many batches), unless the fault file says the training makes the model worse."""
+    loss = 1.0 + 1.6 * math.exp(-step / 300)
+    return loss + 0.01 * step if fault.get("eval_loss_rises") else loss
+
+
 def main(argv):
     _, args = s.parse_absl_flags(argv)
     faults = s.load_faults()
@@ -61,6 +95,7 @@ def main(argv):
     if config.load_parameters_path:
         s.read_params(config.load_parameters_path, config)
     _check_train_files(config)
+    _check_eval_files(config)
 
     # Local folders or gs:// URLs (strings: pathlib would turn "gs://" into "gs:/").
     checkpoint_root = config.checkpoint_dir
@@ -106,11 +141,16 @@ def main(argv):
         parts += [f"total_weights: {total_weights}", f"loss: {loss:.3f}",
                   "lm_loss: 0.000", "perplexity: 0.000"]  # SFT's hooks do not report these two
         s.log(", ".join(parts), "metric_logger.py:196")
+        _write_metrics(config, {"learning/loss": loss, "learning/total_weights": float(total_weights)}, step)
 
     def run_eval():
-        loss = s.fake_loss(train_steps, config.run_name) + 0.1
-        s.log(f"eval metrics after step: {train_steps}, loss={loss:.3f}, perplexity={2.718281828 ** loss:.3f}, "
-              f"total_weights={int(tokens)}", "metric_logger.py:216")
+        loss = eval_loss(train_steps, fault)
+        batches = config.eval_steps if config.eval_steps > 0 else 1
+        weights = float(tokens * batches)
+        s.log(f"eval metrics after step: {train_steps}, loss={loss:.3f}, perplexity={math.exp(loss):.3f}, "
+              f"total_weights={weights}", "metric_logger.py:216")
+        _write_metrics(config, {"eval/total_loss": loss * batches, "eval/avg_loss": loss,
+                                "eval/total_weights": weights, "eval/avg_perplexity": math.exp(loss)}, train_steps)
 
     def save(step, commit=True):
         s.save_step(checkpoint_root, step, {
