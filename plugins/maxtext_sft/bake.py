@@ -32,30 +32,51 @@ HOME_PATH = re.compile(r"^(~|~/[A-Za-z0-9._/-]*)$")
 _RUN = declared()  # the fine-tune's Params: the bake shares most of its kinds of value
 # The bake DAG's Params. The image it bakes from is the one runs boot today (the tutorial's).
 BAKE_PARAMS: tuple[Declared, ...] = (
-    _RUN["project_id"].but(description="Project of the VM and the image; empty: the connection's."),
-    _RUN["zone"].but(description="Zone of the bake's VM."),
-    _RUN["network"].but(description="VPC network of the VM."),
-    _RUN["network_tag"].but(description="Network tag (the pipeline's SSH firewall rule)."),
-    _RUN["use_internal_ip"].but(description="SSH to the VM's internal IP (no external one)."),
-    _RUN["image_project"].but(name="source_image_project", description="Project of the image to start from."),
-    _RUN["image_family"].but(name="source_image_family", description="Family of the image to start from."),
+    _RUN["project_id"].but(
+        description="The Google Cloud project of the bake's VM and of the image. Empty: the project of "
+        "Airflow's Google Cloud connection."
+    ),
+    _RUN["zone"].but(description="The zone the bake's VM is created in, e.g. us-east5-b."),
+    _RUN["network"].but(description="The VPC network the bake's VM joins; 'default' is the project's default network."),
+    _RUN["network_tag"].but(description="The tag the firewall rule that lets SSH in names (the pipeline's VMs' tag)."),
+    _RUN["use_internal_ip"].but(
+        description="Connect to the VM's internal IP (Airflow's workers run inside the VPC network); the VM "
+        "then gets no external IP."
+    ),
+    _RUN["image_project"].but(
+        name="source_image_project", title="Source image project",
+        description="The project that publishes the image the bake starts from.",
+    ),
+    _RUN["image_family"].but(
+        name="source_image_family", title="Source image family",
+        description="The bake starts from the newest image of this family.",
+    ),
     # The install is CPU work (apt, uv, pip): a cheap on-demand CPU machine, no reservation.
     Declared("machine_type", "string", "e2-standard-4",
-             "An on-demand CPU machine (the install is CPU work; no reservation).", VM,
-             pattern=GCE_NAME, what="a machine type"),
-    _RUN["boot_disk_size_gb"].but(description="Boot disk (and so image) size in GB: runs need at least this."),
-    _RUN["maxtext_version"].but(description="The MaxText version to install."),
+             "The on-demand CPU machine the install runs on (it needs no TPU and no reservation).", VM,
+             title="Machine type", pattern=GCE_NAME, what="a machine type"),
+    _RUN["boot_disk_size_gb"].but(
+        description="Size of the boot disk, and so of the image, in GB: runs booting it need at least this."
+    ),
+    _RUN["maxtext_version"].but(description="The MaxText version to install, e.g. 0.2.2."),
     _RUN["work_dir"].but(
-        description="Where the venv goes, under the VM user's home; runs must use the same work_dir and SSH login.",
+        description="Where MaxText's Python environment goes, under the VM user's home; runs use it only "
+        "with the same Working folder and the same SSH login.",
         pattern=HOME_PATH,
         what="'~' or '~/...': the install runs as the VM user, who writes only in its home, and a run "
         "finds the venv in its own user's home",
     ),
-    _RUN["image_family"].but(default="maxtext-sft", description="Family of the baked image (runs' image_family).",
-                             section=MAXTEXT),
-    Declared("image_name", "string", None, "Name of the image; empty: maxtext-<version>-<run hash>.", MAXTEXT,
-             nullable=True, pattern=GCE_NAME, what="an image name (lowercase, digits, '-'; 1-63)"),
-    _RUN["install_timeout_minutes"].but(description="Time limit of the install (the VM lives this + 30 min)."),
+    _RUN["image_family"].but(
+        default="maxtext-sft", section=MAXTEXT, title="Baked image family",
+        description="The family the baked image joins: runs give it as their Boot image family.",
+    ),
+    Declared("image_name", "string", None,
+             "The name of the baked image. Empty: maxtext-<version>-<a short hash of the run>.", MAXTEXT,
+             title="Baked image name", nullable=True, pattern=GCE_NAME,
+             what="an image name (lowercase, digits, '-'; 1-63)"),
+    _RUN["install_timeout_minutes"].but(
+        description="Minutes the MaxText install may take; the VM lives 30 minutes longer at most."
+    ),
 )
 
 VM_NAME_PREFIX = "maxtext-bake"

@@ -1,8 +1,9 @@
 """The pipeline DAG's Params, made from their declaration (run_params.PARAMS): the tutorial's
 values as defaults, grouped for the trigger form.
 
-The JSON schema gives the trigger form its types and help; `spec.build_run_spec` checks the same
-declaration again in plan_run (it also runs on scheduled runs and on conf sent through the API).
+The JSON schema gives the trigger form its types, titles (the fields' labels), help and required
+fields; `spec.build_run_spec` checks the same declaration again in plan_run (it also runs on
+scheduled runs and on conf sent through the API).
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from maxtext_sft.run_params import REHEARSAL_DEFAULTS, Declared, all_params, dec
 def airflow_params(table: Iterable[Declared] | None = None) -> dict[str, Param]:
     """An Airflow Param for each declared one (the pipeline's, unless `table` names others)."""
     return {
-        name: Param(param.default, description=param.description, section=param.section, **form_schema(param))
+        name: Param(
+            param.default,
+            description=param.description,
+            title=param.title,
+            section=param.section,
+            **form_schema(param),
+        )
         for name, param in declared(table).items()
     }
 

@@ -1,7 +1,8 @@
 """What a user may ask of a fine-tune: every Param declared once, in `PARAMS`.
 
 One row per Param: name, type, default (the tutorial's value), limits (pattern, bounds, choices,
-length), help text and trigger-form section. From this table come the trigger form's JSON schema
+length), help text, the trigger form's title (the field's label) and section, and whether a run
+needs a value (the form marks the field required and keeps Trigger disabled while it is empty). From this table come the trigger form's JSON schema
 (`form_schema`; params.py makes Airflow Params of it), the check of every value a run is given,
 whether from the form, a run conf or a declared-job file (`check_params`), and the typed values
 the run's spec answers by name (spec.py). Adding a Param is one row here plus the code that uses
@@ -85,10 +86,13 @@ class Declared:
     name: str
     type: Literal["string", "integer", "number", "boolean", "array"]
     default: Any
-    description: str
+    description: str  # help text under the field, in a user's words
     section: str
+    title: str = ""  # the field's label in the form; every row has one (test_param_declaration)
     nullable: bool = False  # None is a value (its meaning in the description)
-    required_because: str | None = None  # None is refused, saying why (the form still opens empty)
+    # A run needs a value: None (the form's empty field) is refused, saying why. The default may
+    # still be None: the form then opens with the field empty and marked required.
+    required_because: str | None = None
     pattern: re.Pattern[str] | None = None  # strings, and an array's items
     what: str = ""  # what a value that fails the pattern or choices is not: "a zone such as us-east5-b"
     max_length: int | None = None  # strings and an array's items; default MAX_STRING_CHARS
@@ -102,152 +106,201 @@ class Declared:
         return dataclasses.replace(self, **changes)
 
 
-def _timeout(name: str, what: str, default: int, high: int, **more: Any) -> Declared:
-    return Declared(name, "integer", default, what, TIMING, minimum=1, maximum=high, **more)
+def _timeout(name: str, title: str, what: str, default: int, high: int, **more: Any) -> Declared:
+    return Declared(name, "integer", default, what, TIMING, title=title, minimum=1, maximum=high, **more)
 
 
+# Help text is for the person at the trigger form: what the field does for them, its unit, what
+# empty means; other fields are named by their titles (the form shows no Param names).
 PARAMS: tuple[Declared, ...] = (
     # Google Cloud
-    Declared("project_id", "string", None, "Project of the VM; empty: the Google connection's project.", CLOUD,
+    Declared("project_id", "string", None,
+             "The Google Cloud project the TPU VM runs in. Empty: the project of Airflow's Google Cloud "
+             "connection.", CLOUD, title="Project",
              nullable=True, pattern=PROJECT_ID, what="a Google Cloud project id"),
-    Declared("zone", "string", "us-east5-b", "Zone of the VM and the reservation (tutorial: ZONE).", CLOUD,
-             pattern=GCE_ZONE, what="a zone such as us-east5-b"),
-    Declared("reservation", "string", None, "Capacity reservation the VM is bound to (required).", CLOUD,
-             required_because="the VM is RESERVATION_BOUND", pattern=GCE_NAME, what="a reservation name"),
-    Declared("network", "string", "default", "VPC network (tutorial: NETWORK=default).", CLOUD,
-             pattern=GCE_NAME, what="a network name"),
-    Declared("network_tag", "string", "maxtext-sft", "Network tag on every VM of this pipeline, for firewall rules.",
-             CLOUD, pattern=GCE_NAME, what="a network tag"),
-    Declared("service_account", "string", "default", "Service account of the VM ('default': the project's).", CLOUD,
+    Declared("zone", "string", "us-east5-b", "The zone of the reservation, where the VM is created, e.g. us-east5-b.",
+             CLOUD, title="Zone", pattern=GCE_ZONE, what="a zone such as us-east5-b"),
+    Declared("reservation", "string", None,
+             "The name of the capacity reservation the TPU VM runs on, in the zone above. Required: a run "
+             "gets its TPU only from a reservation.", CLOUD, title="TPU reservation",
+             required_because="the TPU VM runs only on a reservation", pattern=GCE_NAME, what="a reservation name"),
+    Declared("network", "string", "default", "The VPC network the VM joins; 'default' is the project's default network.",
+             CLOUD, title="VPC network", pattern=GCE_NAME, what="a network name"),
+    Declared("network_tag", "string", "maxtext-sft",
+             "A tag put on every VM of this pipeline, so that firewall rules (the one that lets SSH in) can "
+             "name them.", CLOUD, title="Network tag", pattern=GCE_NAME, what="a network tag"),
+    Declared("service_account", "string", "default",
+             "The service account the VM runs as, by its email; it writes to the Output location. 'default': "
+             "the project's Compute Engine default service account.", CLOUD, title="VM service account",
              pattern=EMAIL, what="'default' or a service account email"),
     # TPU VM
-    Declared("vm_name_prefix", "string", "maxtext-sft", "VM names are PREFIX-<run hash>-g<generation>.", VM,
-             pattern=GCE_NAME, what="a GCE name prefix", max_length=40),  # the run suffix takes the rest
-    Declared("machine_type", "string", "ct6e-standard-8t", "TPU machine type (v6e-8: ct6e-standard-8t).", VM,
+    Declared("vm_name_prefix", "string", "maxtext-sft",
+             "The start of the VM's name; the run adds a short hash of its id and a generation number.", VM,
+             title="VM name prefix", pattern=GCE_NAME, what="a GCE name prefix", max_length=40),  # the run suffix takes the rest
+    Declared("machine_type", "string", "ct6e-standard-8t",
+             "The TPU machine the reservation holds, e.g. ct6e-standard-8t (a v6e-8).", VM, title="TPU machine type",
              pattern=GCE_NAME, choices=sorted(TPU_TOPOLOGIES), what="a TPU machine type the pipeline knows"),
-    Declared("image_project", "string", "ubuntu-os-accelerator-images", "Project of the boot image.", VM,
+    Declared("image_project", "string", "ubuntu-os-accelerator-images",
+             "The project that publishes the VM's boot image.", VM, title="Boot image project",
              pattern=PROJECT_ID, what="an image project"),
-    Declared("image_family", "string", "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e", "Image family of the boot disk.", VM,
-             pattern=GCE_NAME, what="an image family"),
-    Declared("boot_disk_size_gb", "integer", 200, "Boot disk size in GB.", VM, minimum=10, maximum=65536),
+    Declared("image_family", "string", "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+             "The VM boots the newest image of this family; a family of baked images (MaxText already "
+             "installed) skips the install.", VM, title="Boot image family", pattern=GCE_NAME, what="an image family"),
+    Declared("boot_disk_size_gb", "integer", 200, "Size of the VM's boot disk, in GB.", VM,
+             title="Boot disk size (GB)", minimum=10, maximum=65536),
     Declared("vm_hourly_price_usd", "number", 20.0,
-             "What the VM costs per hour in USD (default: a v6e-8 on a reservation, roughly); the run "
-             "summary's estimated cost is the VM's hours times this. Informational only.", VM, minimum=0),
+             "What the VM costs per hour, in US dollars; the run summary's estimated cost is the VM's hours "
+             "times this. Default: roughly a v6e-8 on a reservation. It changes nothing else.", VM,
+             title="VM price per hour (USD)", minimum=0),
     Declared("use_internal_ip", "boolean", False,
-             "SSH to the VM's internal IP (workers inside the VPC); the VM then gets no external IP "
-             "(its egress to PyPI and the Hub needs Cloud NAT).", VM),
+             "Connect to the VM's internal IP (Airflow's workers run inside the VPC network). The VM then gets "
+             "no external IP: reaching PyPI and the Hugging Face Hub needs Cloud NAT.", VM,
+             title="Connect by internal IP"),
     Declared("os_login", "boolean", False,
-             "Log in with OS Login as the Google connection's account (its key imported for an hour) "
-             "instead of the ssh-keys metadata; needs roles/compute.osAdminLogin.", VM),
+             "Log in to the VM with OS Login, as the Google Cloud connection's account (its key imported for "
+             "an hour), instead of a key in the VM's metadata. Needs the Compute OS Admin Login role.", VM,
+             title="Log in with OS Login"),
     Declared("ssh_via_iap", "boolean", False,
-             "SSH through an Identity-Aware Proxy TCP tunnel (gcloud on the workers; firewall open to "
-             "35.235.240.0/20 only); needs roles/iap.tunnelResourceAccessor. The VM gets no external IP "
-             "(its egress needs Cloud NAT).", VM),
+             "Reach the VM through an Identity-Aware Proxy tunnel (gcloud on Airflow's workers; the firewall "
+             "lets SSH in from 35.235.240.0/20 only). Needs the IAP-secured Tunnel User role. The VM gets no "
+             "external IP: its internet access needs Cloud NAT.", VM, title="SSH through IAP"),
     # Model and data
-    Declared("model_name", "string", "gemma3-4b", "MaxText model name (MODEL_NAME).", MODEL,
+    Declared("model_name", "string", "gemma3-4b",
+             "The model to fine-tune, by its MaxText name, e.g. gemma3-4b; its weights come from the Hugging "
+             "Face Hub.", MODEL, title="Base model",
              pattern=SAFE_TOKEN, choices=sorted(BASE_MODELS),
              what="a model MaxText 0.2.2 converts from Hugging Face"),
     Declared("model_revision", "string", None,
-             "Hugging Face revision of the base checkpoint; empty: default branch.", MODEL,
+             "The branch, tag or commit of the base model on the Hugging Face Hub. Empty: its default branch.",
+             MODEL, title="Base model revision",
              nullable=True, pattern=SAFE_TOKEN, what="a branch, tag or commit id"),
-    Declared("base_model_id", "string", None, "Hub id of the base model for the model card; empty: MaxText's.",
-             MODEL, nullable=True, pattern=HUB_ID, what="a Hugging Face model id (owner/name)"),
+    Declared("base_model_id", "string", None,
+             "The base model's Hugging Face id (owner/name) that the tuned model's card names. Empty: the "
+             "model MaxText downloads.", MODEL, title="Base model id for the model card",
+             nullable=True, pattern=HUB_ID, what="a Hugging Face model id (owner/name)"),
     Declared("dataset_name", "string", "HuggingFaceH4/ultrachat_200k",
-             "Hugging Face dataset id (DATASET_NAME), a folder on the VM, or gs://bucket/folder "
-             "(may hold {{ ds }} or {{ ds_nodash }}: the run's logical date), each in the "
-             "data/<split>-*.parquet layout.", MODEL, pattern=DATASET_PARAM,
+             "A Hugging Face dataset id (owner/name), a folder on the VM, or gs://bucket/folder, each holding "
+             "data/<split>-*.parquet files. A gs:// folder may name the run's date as {{ ds }} or "
+             "{{ ds_nodash }}.", MODEL, title="Training dataset", pattern=DATASET_PARAM,
              what="a Hugging Face dataset id (owner/name), an absolute folder on the VM, or gs://bucket/folder"),
-    Declared("dataset_revision", "string", None, "Dataset branch, tag or commit; empty: latest.", MODEL,
+    Declared("dataset_revision", "string", None,
+             "The branch, tag or commit of a Hugging Face dataset. Empty: the commit current at the end of "
+             "the run's data interval.", MODEL, title="Dataset revision",
              nullable=True, pattern=SAFE_TOKEN, what="a branch, tag or commit id"),
-    Declared("train_split", "string", "train_sft", "Dataset split to train on (TRAIN_SPLIT).", MODEL,
-             pattern=SAFE_TOKEN, what="a split name"),
-    Declared("train_data_columns", "array", ["messages"], "Dataset columns (TRAIN_DATA_COLUMNS).", MODEL,
-             pattern=SAFE_TOKEN, what="a column name", min_items=1),
+    Declared("train_split", "string", "train_sft", "The dataset split to train on, e.g. train_sft.", MODEL,
+             title="Training split", pattern=SAFE_TOKEN, what="a split name"),
+    Declared("train_data_columns", "array", ["messages"],
+             "The dataset columns the training reads, one per line (a chat dataset: messages).", MODEL,
+             title="Data columns", pattern=SAFE_TOKEN, what="a column name", min_items=1),
     # Held-out evaluation: MaxText's own eval loop (eval_interval = steps) measures the base model
     # before the first step and the tuned model after the last, on the same batches.
     Declared("eval_split", "string", "test_sft",
-             "Held-out split the base and the tuned model are evaluated on (UltraChat 200k: test_sft); "
-             "empty: no evaluation, and publishing is not gated on it.", MODEL,
-             nullable=True, pattern=SAFE_TOKEN, what="a split name"),
+             "The held-out split the base model and the tuned model are evaluated on, e.g. test_sft. "
+             "Empty: no evaluation, and publishing is not gated on it.", MODEL,
+             title="Evaluation split", nullable=True, pattern=SAFE_TOKEN, what="a split name"),
     Declared("eval_steps", "integer", 25,
-             "Batches of the held-out split each evaluation reads (each one as large as a training batch).",
-             MODEL, minimum=1, maximum=100_000),
-    Declared("steps", "integer", 1000, "Training steps (STEPS).", MODEL, minimum=1, maximum=10_000_000),
-    Declared("per_device_batch_size", "integer", 1, "Per-device batch size (PER_DEVICE_BATCH_SIZE).", MODEL,
-             minimum=1, maximum=4096),
+             "How many batches of the evaluation split each evaluation reads (each as large as a training "
+             "batch).", MODEL, title="Evaluation batches", minimum=1, maximum=100_000),
+    Declared("steps", "integer", 1000, "How many steps to train.", MODEL, title="Training steps",
+             minimum=1, maximum=10_000_000),
+    Declared("per_device_batch_size", "integer", 1,
+             "Examples each TPU chip takes per step; a step's batch is this times the number of chips.", MODEL,
+             title="Batch size per chip", minimum=1, maximum=4096),
     # MaxText
-    Declared("maxtext_version", "string", "0.2.2", "maxtext[tpu-post-train] version.", MAXTEXT,
-             pattern=MAXTEXT_VERSION, what="a MaxText version such as 0.2.2"),
-    Declared("work_dir", "string", "~", "Folder on the VM for the venv and training logs (~ is the home).", MAXTEXT,
+    Declared("maxtext_version", "string", "0.2.2", "The MaxText version installed on the VM, e.g. 0.2.2.", MAXTEXT,
+             title="MaxText version", pattern=MAXTEXT_VERSION, what="a MaxText version such as 0.2.2"),
+    Declared("work_dir", "string", "~",
+             "The folder on the VM for MaxText's Python environment and the training logs; ~ is the login "
+             "user's home.", MAXTEXT, title="Working folder on the VM",
              pattern=VM_PATH, what="an absolute path or one under ~ on the VM"),
-    Declared("use_pathways", "boolean", False, "Pathways (USE_PATHWAYS=1) or McJAX (0).", MAXTEXT),
-    Declared("lazy_load_tensors", "boolean", False, "Lazy tensor loading during conversion.", MAXTEXT),
+    Declared("use_pathways", "boolean", False, "Run MaxText on Pathways; off: McJAX, as the tutorial does.", MAXTEXT,
+             title="Use Pathways"),
+    Declared("lazy_load_tensors", "boolean", False,
+             "Load the base checkpoint's tensors one at a time while converting it (less memory, slower).",
+             MAXTEXT, title="Load tensors lazily when converting"),
     *(
-        Declared(f"{step}_extra_args", "array", [], f"Extra {command} arguments: key=value or --flag=value.",
-                 MAXTEXT, pattern=EXTRA_ARG, what="'key=value' or '--flag=value'", max_length=MAX_EXTRA_ARG_CHARS)
-        for step, command in (("convert", "to_maxtext"), ("train", "train_sft"), ("export", "to_huggingface"))
+        Declared(f"{step}_extra_args", "array", [],
+                 f"More arguments for MaxText's {what}, one per line: key=value or --flag=value.",
+                 MAXTEXT, title=title, pattern=EXTRA_ARG, what="'key=value' or '--flag=value'",
+                 max_length=MAX_EXTRA_ARG_CHARS)
+        for step, title, what in (
+            ("convert", "Extra conversion arguments", "conversion of the base checkpoint (to_maxtext)"),
+            ("train", "Extra training arguments", "training (train_sft)"),
+            ("export", "Extra export arguments", "export to Hugging Face format (to_huggingface)"),
+        )
     ),
     # Outputs and publishing
     Declared("output_location", "string", None,
-             "gs://bucket/prefix for checkpoints, converted base checkpoints and the export; empty: the "
-             "tutorial's /dev/shm, deleted with the VM (only the export is copied to the worker).", OUTPUTS,
+             "A gs://bucket/prefix for the checkpoints, the converted base checkpoint and the exported model. "
+             "Empty: they stay in the VM's memory (/dev/shm) and go with it; only the export is copied to "
+             "the Airflow worker.", OUTPUTS, title="Output location",
              nullable=True, pattern=GCS_URI, what="a gs://bucket/prefix location"),
-    Declared("hub_repo_id", "string", None, "Publish the tuned model to this Hub repo (owner/name); empty: do not.",
-             OUTPUTS, nullable=True, pattern=HUB_ID, what="a Hugging Face repo id (owner/name)"),
-    Declared("hub_private", "boolean", True, "Create the Hub repo as private.", OUTPUTS),
-    Declared("hub_branch", "string", "main", "Hub branch to commit to.", OUTPUTS, pattern=GIT_BRANCH,
-             what="a branch name"),
-    Declared("hub_max_final_loss", "number", None, "Publish only if the final loss is at most this.", OUTPUTS,
-             nullable=True),
+    Declared("hub_repo_id", "string", None,
+             "The Hugging Face repo (owner/name) the tuned model is published to. Empty: not published.",
+             OUTPUTS, title="Publish to Hub repo", nullable=True, pattern=HUB_ID, what="a Hugging Face repo id (owner/name)"),
+    Declared("hub_private", "boolean", True, "Create the Hub repo as private.", OUTPUTS, title="Private Hub repo"),
+    Declared("hub_branch", "string", "main", "The branch of the Hub repo the model is committed to.", OUTPUTS,
+             title="Hub branch", pattern=GIT_BRANCH, what="a branch name"),
+    Declared("hub_max_final_loss", "number", None,
+             "Publish only if the training's final loss is at most this. Empty: whatever the loss.", OUTPUTS,
+             title="Publish only at loss at most", nullable=True),
     Declared("hub_min_eval_improvement", "number", 0.0,
-             "Publish only if the tuned model's eval loss is at least this much below the eval loss of the "
-             "model last published to the same repo and branch (on the same eval split); it must always beat "
-             "the base model's.", OUTPUTS, minimum=0.0, maximum=100.0),
+             "Publish only if the tuned model's evaluation loss is at least this much below that of the model "
+             "last published to the same repo and branch (on the same evaluation split). It must always be "
+             "below the base model's.", OUTPUTS, title="Publish only if better than the last by",
+             minimum=0.0, maximum=100.0),
     # Timeouts, polling and recovery
-    Declared("ssh_connect_timeout_seconds", "integer", 30, "SSH connect/banner/auth timeout.", TIMING,
-             minimum=1, maximum=600),
+    Declared("ssh_connect_timeout_seconds", "integer", 30,
+             "Seconds an SSH connection may take to connect and log in.", TIMING,
+             title="SSH connect timeout (s)", minimum=1, maximum=600),
     Declared("ssh_ready_timeout_seconds", "integer", 600,
-             "How long a new VM may take to accept the SSH login; then the run fails naming why (a "
-             "firewall, the guest agent).", TIMING, minimum=10, maximum=3600),
-    _timeout("install_timeout_minutes", "Limit for the install step.", 60, 24 * 60),
-    _timeout("convert_timeout_minutes", "Limit for the conversion step.", 60, 24 * 60),
-    _timeout("export_timeout_minutes", "Limit for the export step.", 60, 24 * 60),
-    _timeout("training_timeout_hours", "Limit for waiting on training.", 12, 24 * 14),
-    Declared("poke_interval_seconds", "integer", 60, "How often the training is checked.", TIMING,
-             minimum=1, maximum=3600),
+             "Seconds a new VM may take to accept the SSH login; then the run fails, naming why (a firewall, "
+             "the guest agent).", TIMING, title="Wait for SSH (s)", minimum=10, maximum=3600),
+    _timeout("install_timeout_minutes", "Install time limit (min)", "Minutes the MaxText install may take.",
+             60, 24 * 60),
+    _timeout("convert_timeout_minutes", "Conversion time limit (min)",
+             "Minutes the conversion of the base checkpoint may take.", 60, 24 * 60),
+    _timeout("export_timeout_minutes", "Export time limit (min)",
+             "Minutes the export of the tuned model to Hugging Face format may take.", 60, 24 * 60),
+    _timeout("training_timeout_hours", "Training time limit (h)", "Hours the training may take.", 12, 24 * 14),
+    Declared("poke_interval_seconds", "integer", 60, "Seconds between two checks of the training.", TIMING,
+             title="Check the training every (s)", minimum=1, maximum=3600),
     Declared("stall_timeout_seconds", "integer", 3600,
-             "Fail the run when no training step completes for this long.", TIMING, minimum=10, maximum=7 * 24 * 3600),
+             "Fail the run when no training step completes for this many seconds.", TIMING,
+             title="Stalled training after (s)", minimum=10, maximum=7 * 24 * 3600),
     Declared("unreachable_timeout_seconds", "integer", 600,
-             "A training VM that answers no SSH for this long is lost: recreated and resumed "
-             "(with output_location), else the run fails and the VM is deleted.", TIMING,
-             minimum=10, maximum=24 * 3600),
+             "A training VM that answers no SSH for this many seconds is lost: it is recreated and resumes "
+             "(with an Output location), else the run fails and the VM is deleted.", TIMING,
+             title="Lost VM after (s)", minimum=10, maximum=24 * 3600),
     Declared("autostop_idle_minutes", "number", 30,
-             "The VM shuts itself down (stopped: no TPU billed) after this long with no training "
-             "process, no step running and no check from the pipeline: a dead Airflow costs minutes "
-             "after the training ends, not the VM's whole lifetime. Keep it well above the poke "
-             "interval and the gaps between tasks.", TIMING, minimum=0.5, maximum=24 * 60),
+             "Minutes with no training process, no step running and no check from Airflow after which the VM "
+             "shuts itself down (stopped: no TPU billed), so a dead Airflow costs minutes, not the VM's "
+             "lifetime. Keep it well above the training check interval and the gaps between tasks.", TIMING,
+             title="VM stops itself when idle for (min)", minimum=0.5, maximum=24 * 60),
     Declared("checkpoint_period", "integer", None,
-             "Save a checkpoint every this many steps (and the last): what a recreated VM resumes from. "
-             "Empty: with output_location every tenth of the steps, at least every 1000; without it "
-             "MaxText's 10000 (checkpoints on the VM die with it: step 1 and the last only).", MAXTEXT,
-             nullable=True, minimum=1, maximum=10_000_000),
+             "Save a checkpoint every this many steps (and at the last): what a recreated VM resumes from. "
+             "Empty: with an Output location every tenth of the steps, at least every 1000; without one "
+             "MaxText's 10000 (checkpoints on the VM go with it: the first and last step only).", MAXTEXT,
+             title="Checkpoint every (steps)", nullable=True, minimum=1, maximum=10_000_000),
     Declared("checkpoints_kept", "integer", 2,
-             "With output_location: the newest committed training checkpoints kept in storage; older "
-             "ones are deleted as newer ones commit (the final step is the newest). Empty: keep all.",
-             MAXTEXT, nullable=True, minimum=1, maximum=1000),
+             "With an Output location: how many of the newest training checkpoints stay in storage; older "
+             "ones are deleted as newer ones are saved (the final step's is the newest). Empty: keep all.",
+             MAXTEXT, title="Checkpoints kept", nullable=True, minimum=1, maximum=1000),
     Declared("max_vm_recoveries", "integer", 2,
-             "How often a VM lost mid-training is recreated to resume from the latest checkpoint in "
-             "output_location (0: never; the run fails).", TIMING, minimum=0, maximum=10),
+             "How many times a VM lost mid-training is recreated to resume from the latest checkpoint in the "
+             "Output location. 0: never; the run fails.", TIMING, title="VM recoveries at most",
+             minimum=0, maximum=10),
     Declared("max_capacity_wait_minutes", "integer", 720,
-             "How long create_vm waits, deferred (no worker slot), for a free machine in the reservation, "
-             "which every run and VM using it shares; then the run fails. 0: fail at once when it is full.",
-             TIMING, minimum=0, maximum=7 * 24 * 60),
+             "Minutes the run waits, holding no worker slot, for a free machine in the reservation (which "
+             "every run using it shares); then it fails. 0: fail at once when the reservation is full.",
+             TIMING, title="Wait for reserved capacity (min)", minimum=0, maximum=7 * 24 * 60),
     Declared("max_run_duration_minutes", "integer", None,
-             "The VM's lifetime (its expiry label; Compute Engine's maxRunDuration if enforced); "
-             "empty: every step's time limit added up, plus 30 minutes.", TIMING,
+             "Minutes the VM may live (its expiry label; Compute Engine's limit if the cloud enforces it). "
+             "Empty: every step's time limit added up, plus 30 minutes.", TIMING, title="VM lifetime (min)",
              nullable=True, minimum=1, maximum=MAX_RUN_DURATION_LIMITS_SECONDS[1] // 60),
     Declared("cloud_enforced_lifetime", "boolean", True,
-             "Let Compute Engine delete the VM at the end of its lifetime, even if Airflow is down.", TIMING),
+             "Let Compute Engine delete the VM at the end of its lifetime, even when Airflow is down.", TIMING,
+             title="Cloud deletes the VM at its lifetime"),
 )
 
 # The rehearsal DAG's own Params (fine_tune_dag(rehearsal=True)): the VM it runs on instead of the
@@ -255,14 +308,14 @@ PARAMS: tuple[Declared, ...] = (
 # reservation (exists, matches machine_type) but does not consume it.
 REHEARSAL_PARAMS: tuple[Declared, ...] = (
     Declared("rehearsal_machine_type", "string", "e2-standard-8",
-             "The cheap on-demand CPU machine the rehearsal runs on (no reservation), instead of machine_type.",
-             REHEARSAL, pattern=GCE_NAME, what="a machine type"),
+             "The cheap on-demand CPU machine the rehearsal runs on instead of the TPU machine (it uses no "
+             "reservation).", REHEARSAL, title="Rehearsal machine type", pattern=GCE_NAME, what="a machine type"),
     Declared("rehearsal_image_project", "string", "ubuntu-os-cloud",
-             "Project of the rehearsal's public boot image (a CPU image, instead of image_project).",
-             REHEARSAL, pattern=PROJECT_ID, what="an image project"),
+             "The project of the rehearsal VM's public CPU boot image.", REHEARSAL,
+             title="Rehearsal boot image project", pattern=PROJECT_ID, what="an image project"),
     Declared("rehearsal_image_family", "string", "ubuntu-2204-lts",
-             "Image family of the rehearsal's boot disk (Ubuntu 22.04, as the TPU image).",
-             REHEARSAL, pattern=GCE_NAME, what="an image family"),
+             "The image family of the rehearsal VM's boot disk (Ubuntu 22.04, as the TPU image).", REHEARSAL,
+             title="Rehearsal boot image family", pattern=GCE_NAME, what="an image family"),
 )
 # What the rehearsal DAG's form starts from, where it differs from the real run's: a few toy steps;
 # the cheap machine's price for its cost line (e2-standard-8 on demand is roughly $0.27 an hour in
@@ -374,8 +427,9 @@ def form_schema(param: Declared) -> dict[str, Any]:
             schema["enum"] = list(param.choices)
         return schema
 
-    empty_allowed = param.nullable or param.required_because  # a required one's form opens empty
-    schema: dict[str, Any] = {"$schema": SCHEMA_DRAFT, "type": ["null", param.type] if empty_allowed else param.type}
+    # Airflow's form marks a field required, and disables Trigger while it is empty, when its type
+    # does not allow null; Airflow then also refuses a run whose conf leaves it empty.
+    schema: dict[str, Any] = {"$schema": SCHEMA_DRAFT, "type": ["null", param.type] if param.nullable else param.type}
     if param.type == "string":
         schema.update(string_schema())
     elif param.type == "array":

@@ -1,8 +1,9 @@
 """Run conf that cannot make a valid run is refused, naming the field, before any Compute API request.
 
 Two gates: Airflow checks the conf against the Params' JSON schema (types, ranges, enums,
-patterns) when the run is created; plan_run checks what a schema cannot (required values,
-fields that depend on each other, arguments the pipeline owns) and fails without retries.
+patterns, a required value left empty) when the run is created; plan_run checks what a schema
+cannot (fields that depend on each other, arguments the pipeline owns), and everything again,
+and fails without retries.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.e2e
 INVALID = [
     ("zone", "us-east5"),  # a region, not a zone
     ("zone", "us-east5-b; reboot"),
-    ("reservation", None),  # required: the VM is RESERVATION_BOUND
+    ("reservation", None),  # required: the TPU VM runs only on a reservation
     ("machine_type", "ct5p-hightpu-4t"),
     ("vm_name_prefix", "Bad_Name"),
     ("steps", 0),
@@ -50,6 +51,7 @@ def test_invalid_conf_is_refused_before_any_request(field, value, run_pipeline, 
     except ParamValidationError as error:  # the schema: the run is never created
         message = str(error)
     else:
+        assert field != "reservation", "a run was created without a reservation"  # the form's required field
         assert run.state == "failed"
         assert run.task_states["plan_run"] == "failed", run.report()
         message = run.log[run.log.index("Invalid run configuration") :][:2000]

@@ -118,12 +118,20 @@ def test_tags_retries_and_waiting_modes(dag):
 
 
 def test_params_cover_the_tutorial_with_its_defaults(dag):
+    from airflow.sdk.definitions.param import ParamValidationError
+
     params = dag.params
     assert set(params.keys()) == set(defaults())
     for name, default in defaults().items():
+        if name == "reservation":  # required: the form opens with it empty, and Airflow refuses a run without it
+            assert params.get_param(name).value is None
+            with pytest.raises(ParamValidationError, match="None is not of type 'string'"):
+                params[name]
+            continue
         assert params[name] == default, name
     for name in params.keys():
         assert params.get_param(name).description, name
+        assert params.get_param(name).schema["title"], name
     assert params["machine_type"] == "ct6e-standard-8t"
     assert params["image_family"] == "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
     assert params["dataset_name"] == "HuggingFaceH4/ultrachat_200k"

@@ -235,11 +235,13 @@ def test_training_that_stops_early_with_exit_code_0_fails_the_run_naming_why(run
 
 
 def test_an_invalid_conf_fails_before_any_compute_request(run_pipeline, local_cloud):
-    run = run_pipeline({"reservation": None, "train_extra_args": ["run_name=mine"]})
+    # A value only plan_run refuses (the schema takes any key=value): a missing reservation is
+    # refused earlier now, when the run is created (test_invalid_conf).
+    run = run_pipeline({"train_extra_args": ["run_name=mine"]})
     assert run.state == "failed", run.report()
     assert run.task_states["plan_run"] == "failed"
     assert run.task_states["create_vm"] == "upstream_failed"
     # No VM can exist, so the teardowns do not run; the run's state comes from the work tasks.
     assert run.task_states["delete_vm"] in ("skipped", "upstream_failed")
-    assert "Invalid run configuration: Param 'reservation': required" in run.log
+    assert "Invalid run configuration: Param 'train_extra_args': 'run_name' is set by the pipeline" in run.log
     assert local_cloud.requests() == []

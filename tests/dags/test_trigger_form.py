@@ -1,13 +1,18 @@
 """The trigger form in Airflow's UI, driven by headless Chromium: a user logs in, finds every Param
-of maxtext_sft with its description in its section, triggers a run with a conf, and the run
-succeeds. Screenshots land in test-artifacts/ (kept on failure too).
+of maxtext_sft under its title with its help text in its section, sees the reservation marked
+required and Trigger disabled while it is empty, triggers a run with a conf, and the run
+succeeds; its graph shows the runbook's phases. A declared job's form shows the reservation its
+file sets. Screenshots land in test-artifacts/ (kept on failure too).
 
 The selectors are Airflow 3.3's React UI (Chakra): `trigger-dag-button`, `config-form` and its
-accordion items, `element_<param>` inputs, `trigger-dag-submit`, the grid's `data-run-id`."""
+accordion items, each field's root, label (the Param's title), required indicator, helper and
+error text, `element_<param>` inputs, `trigger-dag-submit`, the grid's `data-run-id`, the graph
+view's button (`value="graph"`) and its React Flow nodes."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import urllib.parse
@@ -25,6 +30,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from localcloud.airflow_harness import AirflowError
 from localcloud.connections import LOCAL_RUN_CONF
 from maxtext_sft.params import pipeline_params
+from maxtext_sft.pipeline import PHASES
 from tests.conftest import REPO
 from tests.dags.conftest import wait_for_run_end, wait_until
 
@@ -35,11 +41,13 @@ USER, PASSWORD = "admin", "trigger-form-password"
 RUN_CONF = {**LOCAL_RUN_CONF, "steps": 10}
 CHROMIUM_FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-    "--no-first-run", "--window-size=1400,1000",
+    "--no-first-run", "--window-size=1600,1000",
     # Chromium's own calls home are refused by this closed network; these keep it from trying.
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 )
 UI_TIMEOUT = 30  # seconds for the UI to show something (generous: the machine is shared)
+REQUIRED = "This field is required"  # Airflow's message under an empty required field (English UI)
+JOB_DAG_ID = "ultrachat_gemma3_nightly"  # a declared job whose file sets the reservation
 
 
 def _pids_with_argument(argument: str) -> list[int]:
@@ -83,11 +91,25 @@ def save_artifact(driver, name: str) -> None:
     (ARTIFACTS / f"{name}.html").write_text(driver.page_source)
 
 
-def expected_sections(dag_params: dict) -> dict[str, dict[str, str]]:
-    """{section: {param: description}} from the DAG's params as the REST API serves them."""
-    sections: dict[str, dict[str, str]] = {}
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What the form should show for one Param, from the DAG's params as the REST API serves them."""
+
+    name: str
+    description: str
+    required: bool  # Airflow's form marks a field required when its schema's type does not allow null
+
+
+def expected_sections(dag_params: dict) -> dict[str, dict[str, Expected]]:
+    """{section: {title: Expected}}: the form's labels are titles, mapped back to Param names here."""
+    sections: dict[str, dict[str, Expected]] = {}
     for name, param in dag_params.items():
-        sections.setdefault(param["schema"]["section"], {})[name] = param["description"]
+        schema = param["schema"]
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        title = schema["title"]
+        fields = sections.setdefault(schema["section"], {})
+        assert title not in fields, f"{name} and {fields[title].name} share the title {title!r}"
+        fields[title] = Expected(name, param["description"], "null" not in types)
     return sections
 
 
@@ -113,24 +135,118 @@ def open_section(driver, title: str):
     return WebDriverWait(driver, UI_TIMEOUT, ignored_exceptions=ignored).until(opened)
 
 
-def shown_params(section) -> dict[str, str]:
-    """{param: description} of the fields an open section shows (label's first line: the name)."""
+def _visible_texts(field, part: str) -> list[str]:
+    return [e.text for e in field.find_elements(By.CSS_SELECTOR, f'[data-part="{part}"]') if e.is_displayed()]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShownField:
+    """One field as the form shows it."""
+
+    help_text: str | None
+    required: bool  # the label's required indicator
+    errors: tuple[str, ...]  # the field's error messages
+
+
+def shown_fields(section) -> dict[str, ShownField]:
+    """{title: ShownField} of the fields an open section shows; the title is the label without
+    its required indicator."""
     shown = {}
     for field in section.find_elements(By.CSS_SELECTOR, '[data-part="item-content"] [data-scope="field"][data-part="root"]'):
         label = field.find_element(By.CSS_SELECTOR, '[data-part="label"]')
-        helpers = [h.text for h in field.find_elements(By.CSS_SELECTOR, '[data-part="helper-text"]') if h.is_displayed()]
-        if label.is_displayed():
-            shown[label.text.splitlines()[0].strip()] = helpers[0] if helpers else None
+        if not label.is_displayed():
+            continue
+        # Chakra's Field.RequiredIndicator: an asterisk in the label, which is data-required.
+        indicators = label.find_elements(By.CSS_SELECTOR, ".chakra-field__requiredIndicator")
+        title = label.text
+        for indicator in indicators:
+            title = title.strip().removesuffix(indicator.text)
+        required = bool(indicators) and label.get_attribute("data-required") is not None
+        helpers = _visible_texts(field, "helper-text")
+        shown[title.strip()] = ShownField(helpers[0] if helpers else None, required, tuple(_visible_texts(field, "error-text")))
     return shown
+
+
+def field_of(section, name: str):
+    return section.find_element(By.NAME, f"element_{name}")
 
 
 def fill_param(section, name: str, value) -> None:
     if not isinstance(value, (str, int)) or isinstance(value, bool):
         raise TypeError(f"{name}: only text and integer fields are typed into the form, not {value!r}")
-    field = section.find_element(By.NAME, f"element_{name}")
+    field = field_of(section, name)
     field.send_keys(Keys.CONTROL, "a")
     field.send_keys(str(value), Keys.TAB)  # number inputs take their value on blur
     assert field.get_attribute("value") == str(value), name
+
+
+def empty_param(section, name: str) -> None:
+    field = field_of(section, name)
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(Keys.BACKSPACE, Keys.TAB)
+    assert field.get_attribute("value") == "", name
+
+
+def submit_button(driver):
+    return driver.find_element(By.CSS_SELECTOR, '[data-testid="trigger-dag-submit"]')
+
+
+def wait_for_trigger_enabled(driver, enabled: bool) -> None:
+    WebDriverWait(driver, UI_TIMEOUT).until(lambda d: submit_button(d).is_enabled() == enabled)
+
+
+def open_trigger_form(driver, airflow, dag_id: str) -> None:
+    wait = WebDriverWait(driver, UI_TIMEOUT)
+    if not driver.current_url.endswith(f"/dags/{dag_id}"):
+        driver.get(f"{airflow.url}/dags/{dag_id}")
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, '[data-testid="trigger-dag-button"]'))).click()
+    wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, '[data-testid="config-form"]')))
+
+
+def check_reservation_is_required(driver, section, title: str) -> None:
+    """The empty reservation: marked required with Airflow's message, its section flagged, and
+    Trigger disabled; filled, all three clear; emptied again, back (a screenshot of that)."""
+    def state():
+        return shown_fields(section)[title], submit_button(driver).is_enabled()
+
+    shown, enabled = state()
+    assert shown.required and shown.errors == (REQUIRED,) and not enabled, (shown, enabled)
+    fill_param(section, "reservation", RUN_CONF["reservation"])
+    wait_for_trigger_enabled(driver, True)
+    assert shown_fields(section)[title].errors == ()
+    empty_param(section, "reservation")
+    wait_for_trigger_enabled(driver, False)
+    shown, _ = state()
+    assert shown.required and shown.errors == (REQUIRED,), shown
+    save_artifact(driver, "trigger-form-required")
+
+
+def check_declared_job_form(driver, airflow, job_params: dict) -> None:
+    """A declared job's form opens with its file's reservation filled in: not in error, and
+    Trigger enabled (nothing is submitted: the job stays paused)."""
+    open_trigger_form(driver, airflow, JOB_DAG_ID)
+    reservation = job_params["reservation"]
+    section = open_section(driver, reservation["schema"]["section"])
+    assert field_of(section, "reservation").get_attribute("value") == reservation["value"]
+    shown = shown_fields(section)[reservation["schema"]["title"]]
+    assert shown.required and shown.errors == (), shown
+    wait_for_trigger_enabled(driver, True)
+    save_artifact(driver, "trigger-form-declared-job")
+
+
+def check_graph_view(driver, airflow, run_id: str) -> None:
+    """The run's graph shows the task groups of the runbook's phases by name."""
+    driver.get(f"{airflow.url}/dags/{airflow.dag_id}/runs/{urllib.parse.quote(run_id)}")
+    wait = WebDriverWait(driver, UI_TIMEOUT, ignored_exceptions=(StaleElementReferenceException,))
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, 'button[value="graph"]'))).click()
+
+    def phases_shown(_driver):
+        nodes = driver.find_elements(By.CSS_SELECTOR, ".react-flow__node")
+        first_lines = {node.text.strip().splitlines()[0] for node in nodes if node.text.strip()}
+        return first_lines if set(PHASES) <= first_lines else False
+
+    wait.until(phases_shown)
+    save_artifact(driver, "graph-view")
 
 
 def log_in(driver, airflow) -> None:
@@ -143,54 +259,76 @@ def log_in(driver, airflow) -> None:
     wait.until(EC.url_to_be(f"{airflow.url}/dags/{airflow.dag_id}"))
 
 
-def test_the_trigger_form_shows_every_param_in_its_section_and_starts_a_run(start_airflow, local_cloud, tmp_path):
+def test_the_trigger_form_shows_every_param_requires_the_reservation_and_starts_a_run(
+    start_airflow, local_cloud, tmp_path
+):
     airflow = start_airflow(users={USER: PASSWORD})
     with pytest.raises(AirflowError, match="403"):
         airflow.get("/auth/token", auth=False)  # no token without a password
     dag_params = airflow.get(f"/api/v2/dags/{airflow.dag_id}/details")["params"]
     assert set(dag_params) == set(pipeline_params())
     sections = expected_sections(dag_params)
-    for name in ("trigger-form", "trigger-form-submitted", "trigger-form-failure"):
+    reservation_section = dag_params["reservation"]["schema"]["section"]
+    reservation_title = dag_params["reservation"]["schema"]["title"]
+    assert sections[reservation_section][reservation_title].required
+    # Outside the form the same schema refuses a run without a reservation when it is created.
+    with pytest.raises(AirflowError, match="400.*reservation"):
+        airflow.trigger({**RUN_CONF, "reservation": None})
+    job_params = wait_until(
+        lambda: airflow.get(f"/api/v2/dags/{JOB_DAG_ID}/details", missing_ok=True), 120, f"{JOB_DAG_ID} to be parsed"
+    )["params"]
+    for name in ("trigger-form", "trigger-form-required", "trigger-form-declared-job", "trigger-form-submitted",
+                 "trigger-form-failure", "graph-view"):
         for suffix in (".png", ".html"):
             (ARTIFACTS / f"{name}{suffix}").unlink(missing_ok=True)  # no stale picture from an earlier run
 
     with chromium(tmp_path / "chromium-profile") as driver:
         try:
             log_in(driver, airflow)
-            wait = WebDriverWait(driver, UI_TIMEOUT)
-            wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, '[data-testid="trigger-dag-button"]'))).click()
-            wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, '[data-testid="config-form"]')))
+            open_trigger_form(driver, airflow, airflow.dag_id)
             assert set(form_sections(driver)) == {*sections, "Advanced Options"}
+            wait_for_trigger_enabled(driver, False)  # the reservation opens empty
 
-            for title, params in sections.items():
+            for title, expected in sections.items():
                 section = open_section(driver, title)
-                assert shown_params(section) == params, title
-                for name in params.keys() & RUN_CONF.keys():
-                    fill_param(section, name, RUN_CONF[name])
+                shown = shown_fields(section)
+                assert {t: f.help_text for t, f in shown.items()} == {t: e.description for t, e in expected.items()}, title
+                assert {t: f.required for t, f in shown.items()} == {t: e.required for t, e in expected.items()}, title
+                if title == reservation_section:
+                    check_reservation_is_required(driver, section, reservation_title)
+                for param in expected.values():
+                    if param.name in RUN_CONF:
+                        fill_param(section, param.name, RUN_CONF[param.name])
+                assert all(not f.errors for f in shown_fields(section).values()), title
+            wait_for_trigger_enabled(driver, True)
             open_section(driver, "Advanced Options")  # the JSON conf the form will send, in the picture
             save_artifact(driver, "trigger-form")
 
-            driver.find_element(By.CSS_SELECTOR, '[data-testid="trigger-dag-submit"]').click()
+            submit_button(driver).click()
+            wait = WebDriverWait(driver, UI_TIMEOUT)
             # The toast first: it goes away after a few seconds.
             wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Dag Run Triggered"))
             wait.until(EC.url_contains(f"/dags/{airflow.dag_id}/runs/"))
             run_id = urllib.parse.unquote(driver.current_url.rsplit("/runs/", 1)[1].split("?")[0])
             wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f'[data-run-id="{run_id}"]')))  # in the grid
             save_artifact(driver, "trigger-form-submitted")
+
+            def started():
+                run = airflow.run(run_id)
+                return run if run["state"] in ("queued", "running") else None
+
+            run = wait_until(started, 60, "the run to be queued or running")
+            assert run["conf"].items() >= RUN_CONF.items()
+            assert run["run_type"] == "manual"
+
+            check_declared_job_form(driver, airflow, job_params)  # while the run runs
+
+            final = wait_for_run_end(airflow, run_id, timeout=420)
+            states = airflow.task_states(run_id)
+            assert final["state"] == "success", states
+            assert set(states.values()) == {"success"}, states
+            check_graph_view(driver, airflow, run_id)
         except BaseException:
             save_artifact(driver, "trigger-form-failure")
             raise
-
-    def started():
-        run = airflow.run(run_id)
-        return run if run["state"] in ("queued", "running") else None
-
-    run = wait_until(started, 60, "the run to be queued or running")
-    assert run["conf"].items() >= RUN_CONF.items()
-    assert run["run_type"] == "manual"
-
-    final = wait_for_run_end(airflow, run_id, timeout=420)
-    states = airflow.task_states(run_id)
-    assert final["state"] == "success", states
-    assert set(states.values()) == {"success"}, states
     assert local_cloud.vms() == []

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from maxtext_sft import run_params
+from maxtext_sft.bake import BAKE_PARAMS
 from maxtext_sft.jobs import JobConfigError, load_job
 from maxtext_sft.params import pipeline_params
 from maxtext_sft.pipeline import fine_tune_dag
@@ -16,7 +17,8 @@ from maxtext_sft.run_params import MODEL, Declared, SpecError, form_schema
 from maxtext_sft.spec import RunSpec, build_run_spec
 from tests.dags.test_declared_jobs import GOOD, write_job
 
-WARMUP = Declared("warmup_steps", "integer", 0, "Learning-rate warm-up steps.", MODEL, minimum=0, maximum=1000)
+WARMUP = Declared("warmup_steps", "integer", 0, "Steps over which the learning rate rises to its peak.", MODEL,
+                  title="Warm-up steps", minimum=0, maximum=1000)
 
 
 @pytest.fixture
@@ -42,7 +44,8 @@ def test_a_new_row_is_in_the_trigger_form_of_the_pipeline_dag(with_warmup_param)
     dag = fine_tune_dag("maxtext_sft_probe", params=pipeline_params())
     param = dag.params.get_param("warmup_steps")
     assert param.value == 0
-    assert param.description == "Learning-rate warm-up steps."
+    assert param.description == "Steps over which the learning rate rises to its peak."
+    assert param.schema["title"] == "Warm-up steps"  # the form's label
     assert param.schema["section"] == MODEL
     assert (param.schema["type"], param.schema["minimum"], param.schema["maximum"]) == ("integer", 0, 1000)
     param.resolve(1000)  # Airflow's own check of a form value takes the bounds
@@ -78,14 +81,79 @@ def test_without_the_row_the_name_is_refused_everywhere():
 
 @pytest.mark.parametrize("param", run_params.PARAMS, ids=lambda param: param.name)
 def test_the_form_and_the_check_agree_on_each_declared_default(param):
-    """Each Param's default passes Airflow's check of its schema and the pipeline's own."""
+    """Each Param's default passes Airflow's check of its schema and the pipeline's own; a
+    required one's empty default is refused by both (the form keeps Trigger disabled)."""
     import jsonschema
 
+    if param.required_because and param.default is None:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(param.default, form_schema(param))
+        with pytest.raises(SpecError, match="required"):
+            run_params.check_value(param, param.default)
+        return
     jsonschema.validate(param.default, form_schema(param))
-    if not param.required_because:
-        assert run_params.check_value(param, param.default) == (
-            tuple(param.default) if isinstance(param.default, list) else param.default
-        )
+    assert run_params.check_value(param, param.default) == (
+        tuple(param.default) if isinstance(param.default, list) else param.default
+    )
+
+
+def test_what_a_run_needs_is_required_in_the_form_and_the_rest_may_be_left_empty():
+    """Airflow 3.3's form marks a field required, and disables Trigger while it is empty, when its
+    schema's type does not allow null (FlexibleForm's isRequired): exactly the Params a run needs."""
+    for param in run_params.all_params(rehearsal=True) + BAKE_PARAMS:
+        schema_type = form_schema(param)["type"]
+        allows_empty = isinstance(schema_type, list) and "null" in schema_type
+        assert allows_empty == param.nullable, param.name
+        assert not (param.nullable and param.required_because), param.name
+    required = {param.name for param in run_params.PARAMS if param.required_because}
+    assert "reservation" in required
+    assert pipeline_params()["reservation"].schema["type"] == "string"
+
+
+# Param tables whose rows reach a trigger form: the pipeline's (with its rehearsal's) and the bake's.
+FORM_TABLES = {"pipeline": lambda: run_params.all_params(rehearsal=True), "bake": lambda: BAKE_PARAMS}
+# A tutorial shell variable (PER_DEVICE_BATCH_SIZE, MODEL_NAME): capitals joined by underscores.
+SHELL_VARIABLE = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+
+
+@pytest.mark.parametrize("table", FORM_TABLES)
+def test_every_param_has_a_title_distinct_within_its_section(table):
+    """The form's label is the title: in a user's words, never the Param's snake_case name, and
+    no two fields of a section look alike. Read from the table itself, so a row added later is
+    checked the same way."""
+    params = FORM_TABLES[table]()
+    titles_by_section: dict[str, dict[str, str]] = {}
+    for param in params:
+        assert param.title.strip(), f"{param.name}: no title"
+        # Capitalized words, not snake_case ("Zone" may still be its Param's name capitalized).
+        assert param.title == param.title.strip() and param.title[0].isupper(), f"{param.name}: {param.title!r}"
+        assert "_" not in param.title, f"{param.name}: {param.title!r}"
+        seen = titles_by_section.setdefault(param.section, {})
+        other = seen.setdefault(param.title.casefold(), param.name)
+        assert other == param.name, f"{param.name} and {other} share the title {param.title!r} in {param.section!r}"
+
+
+@pytest.mark.parametrize("table", FORM_TABLES)
+def test_help_text_is_in_a_users_words(table):
+    """Help text says what a field does, not the tutorial's shell variable (RESERVATION,
+    PER_DEVICE_BATCH_SIZE) nor another field's Param name (the form shows titles)."""
+    params = FORM_TABLES[table]()
+    names = {param.name for param in params}
+    for param in params:
+        help_text = param.description
+        assert len(help_text.split()) >= 3 and help_text != param.title, f"{param.name}: {help_text!r}"
+        assert not SHELL_VARIABLE.search(help_text), f"{param.name}: {help_text!r}"
+        capitalized_names = {word for word in re.findall(r"\b[A-Z]{2,}\b", help_text) if word.lower() in names}
+        assert not capitalized_names, f"{param.name}: {help_text!r} names {capitalized_names}"
+        mentioned = {name for name in names if "_" in name and re.search(rf"\b{name}\b", help_text)}
+        assert not mentioned, f"{param.name}: {help_text!r} names the Param(s) {mentioned}; use their titles"
+
+
+def test_the_help_text_checks_catch_the_old_wording():
+    """The checks above would refuse the texts the data team saw."""
+    assert SHELL_VARIABLE.search("Per-device batch size (PER_DEVICE_BATCH_SIZE).")
+    assert not SHELL_VARIABLE.search("Size of the VM's boot disk, in GB (a v6e-8 on a VPC network).")
+    assert re.findall(r"\b[A-Z]{2,}\b", "Capacity reservation (RESERVATION).") == ["RESERVATION"]
 
 
 @pytest.mark.parametrize(
