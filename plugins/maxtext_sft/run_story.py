@@ -17,12 +17,21 @@ VERDICT_TASKS = ("check_run_outcome", "check_bake_outcome")
 # Airflow keeps a run's note in a column of 1,000 characters (DagRunNote.content).
 NOTE_LIMIT = 1000
 ERROR_LIMIT = 300
+# Airflow's exception types that only say "fail without retrying": not part of the cause.
+WRAPPER_TYPES = ("AirflowFailException: ", "AirflowException: ")
 
 
 def short_error(error: str | None, limit: int = ERROR_LIMIT) -> str:
-    """The error's first line (record_failure's first line says what failed), at most `limit` long."""
-    first = (error or "").strip().splitlines()[0].strip() if (error or "").strip() else ""
-    return first if len(first) <= limit else first[: limit - 3] + "..."
+    """The error's first line (record_failure's first line says what failed), with the lines a
+    first line ending in ':' introduces (preflight's list of causes), at most `limit` long."""
+    lines = [line.strip() for line in (error or "").strip().splitlines()]
+    text = lines[0] if lines else ""
+    for line in lines[1:]:
+        if not text.endswith(":") or not line:
+            break
+        text = f"{text} {line}"
+    text = text.removeprefix(WRAPPER_TYPES[0]).removeprefix(WRAPPER_TYPES[1])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def failure_cause(failed: Sequence[tuple[str, str | None]]) -> tuple[str, str] | None:

@@ -16,9 +16,10 @@ from maxtext_sft.notifier import OwnersNotifier
 SLACK_TOKEN = "T0LOCAL/B0LOCAL/not-a-real-secret-4242"
 DAG_ID, RUN_ID = "team_job", "scheduled__2026-11-02T00:00:00+00:00"
 FAILED = [
-    ("preflight", "PreflightError: reservation no-such-reservation in local-project/us-east5-b does not exist\n(log tail)"),
+    ("preflight", "AirflowFailException: Preflight failed, no VM was created:\n"
+                  "reservation: reservation no-such-reservation in local-project/us-east5-b does not exist"),
     ("check_run_outcome", "AirflowFailException: The fine-tune did not complete (preflight=failed); the VM was deleted\n"
-                          "Cause:\npreflight: PreflightError: reservation no-such-reservation ... does not exist"),
+                          "Cause:\npreflight: AirflowFailException: Preflight failed, no VM was created: ..."),
 ]
 
 
@@ -45,7 +46,7 @@ def test_a_slack_connection_gets_the_cause_through_the_slack_provider(run_failed
     assert slack.paths == [f"/services/{SLACK_TOKEN}"]  # the provider's URL: host + "/" + token
     assert set(message) == {"text"}
     text = message["text"]
-    assert text.startswith("Fine-tune run failed at preflight: PreflightError: reservation no-such-reservation")
+    assert text.startswith("Fine-tune run failed at preflight: Preflight failed, no VM was created: reservation: reservation no-such-reservation")
     assert f"DAG: {DAG_ID}" in text and f"Run: {RUN_ID}" in text
     assert "Run page: http://airflow.example:8080/dags/team_job/runs/scheduled__2026-11-02T00%3A00%3A00%2B00%3A00" in text
     assert "The fine-tune did not complete (preflight=failed)" in text  # check_run_outcome's whole error
@@ -58,7 +59,7 @@ def test_an_smtp_connection_mails_the_cause_to_the_jobs_recipients(run_failed_in
         OwnersNotifier("team_mail", to=["ml-team@example.com", "oncall@example.com"]).notify(run_failed_in_preflight)
         [mail] = smtp.wait_for(lambda m: True, timeout=10)
     assert smtp.envelopes == [("airflow@example.com", ["ml-team@example.com", "oncall@example.com"])]
-    assert mail["Subject"] == f"[{DAG_ID}] Fine-tune run failed at preflight: PreflightError: reservation no-such-reservation in local-project/us-east5-b does not exist"
+    assert mail["Subject"] == f"[{DAG_ID}] Fine-tune run failed at preflight: Preflight failed, no VM was created: reservation: reservation no-such-reservation in local-project/us-east5-b does not exist"
     body = body_text(mail)
     assert "reservation no-such-reservation in local-project/us-east5-b does not exist" in body
     assert "/dags/team_job/runs/" in body and f"DAG: {DAG_ID}" in body
@@ -78,7 +79,7 @@ def test_any_other_connection_gets_the_json_post_with_the_cause(run_failed_in_pr
         OwnersNotifier("team_hook").notify(run_failed_in_preflight)
         [message] = webhook.wait_for(lambda m: True, timeout=5)
     assert message["dag_id"] == DAG_ID and message["run_id"] == RUN_ID and message["event"] == "run_failed"
-    assert message["message"].startswith("Fine-tune run failed at preflight: PreflightError: reservation no-such")
+    assert message["message"].startswith("Fine-tune run failed at preflight: Preflight failed, no VM was created: reservation")
     assert message["run_url"].startswith("http://airflow.example:8080/dags/team_job/runs/")
     assert "check_run_outcome" not in message["message"] and "(preflight=failed)" in message["text"]
 
