@@ -17,7 +17,7 @@ from airflow.sdk import DAG, Param, conf, task
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.janitor import UNKNOWN, sweep
 from maxtext_sft.jobs import notify_targets
-from maxtext_sft.notifier import JobNotifier
+from maxtext_sft.notifier import OwnersNotifier
 
 log = logging.getLogger(__name__)
 GCP_CONN_ID = "google_cloud_default"
@@ -75,11 +75,14 @@ with DAG(
         for vm in deleted:
             if vm.dag_id not in targets:
                 continue
-            notifier = JobNotifier(targets[vm.dag_id], message=f"The janitor deleted VM {vm.name} ({vm.zone}): {vm.reason}")
+            target = targets[vm.dag_id]
+            notifier = OwnersNotifier(
+                target["conn_id"], to=target["to"], message=f"The janitor deleted VM {vm.name} ({vm.zone}): {vm.reason}"
+            )
             details = {"dag_id": vm.dag_id, "run_id": vm.run_id, "vm_name": vm.name, "zone": vm.zone}
             try:
                 notifier.notify({**context, "event": "vm_deleted_by_janitor", "details": details})
             except Exception:  # the deletion stands; a lost message must not hide the others
-                log.exception("Could not notify %s about %s", targets[vm.dag_id], vm.name)
+                log.exception("Could not notify %s about %s", target["conn_id"], vm.name)
 
     delete_leaked_vms()

@@ -1,4 +1,5 @@
-"""A webhook receiver for notification tests: records every JSON body POSTed to it."""
+"""A webhook receiver for notification tests: records every JSON body POSTed to it, and the path
+it was POSTed to (a Slack incoming webhook's path holds its token)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class WebhookReceiver:
 
     def __init__(self) -> None:
         self.messages: list[dict] = []
+        self.paths: list[str] = []
         self._changed = threading.Condition()
         receiver = self
 
@@ -21,9 +23,14 @@ class WebhookReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 with receiver._changed:
                     receiver.messages.append(json.loads(body))
+                    receiver.paths.append(self.path)
                     receiver._changed.notify_all()
-                self.send_response(204)
+                # 200 "ok", as Slack answers (its client checks both); a JSON webhook takes any 2xx.
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", "2")
                 self.end_headers()
+                self.wfile.write(b"ok")
 
             def log_message(self, *args):
                 pass
@@ -38,6 +45,15 @@ class WebhookReceiver:
     def connection_uri(self) -> str:
         """The connection (AIRFLOW_CONN_...) a notifier posts to: its host is the URL."""
         return json.dumps({"conn_type": "http", "host": self.url})
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    def slack_connection_uri(self, token: str) -> str:
+        """A Slack incoming-webhook connection whose endpoint (host) is this server, as a user
+        points one at a proxy: the provider's hook POSTs to host + "/" + the token (password)."""
+        return json.dumps({"conn_type": "slack_incoming_webhook", "host": f"{self.base_url}/services", "password": token})
 
     def wait_for(self, predicate, timeout: float) -> list[dict]:
         """The messages matching `predicate`, once there is one; AssertionError after `timeout`."""

@@ -23,7 +23,7 @@ import pendulum
 import yaml
 
 from airflow.sdk import DAG
-from maxtext_sft.notifier import JobNotifier
+from maxtext_sft.notifier import OwnersNotifier
 from maxtext_sft.params import pipeline_params, with_defaults
 from maxtext_sft.paths import include_dir
 from maxtext_sft.pipeline import fine_tune_dag
@@ -36,6 +36,8 @@ FIELDS = {
 }
 DAG_ID = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+# An email address as SMTP takes it: one @, no spaces or angle brackets (the server checks the rest).
+EMAIL = re.compile(r"^[^@\s<>,;]+@[^@\s<>,;]+\.[^@\s<>,;]+$")
 SCHEDULE_PRESETS = {"@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly"}
 
 
@@ -88,10 +90,18 @@ def load_job(path: Path) -> dict[str, Any]:
     if isinstance(failed_runs, bool) or not isinstance(failed_runs, int) or not 0 <= failed_runs <= 1000:
         raise bad("max_consecutive_failed_runs", f"{failed_runs!r} is not an integer in [0, 1000]")
     notify = job.get("notify") or {}
-    if not isinstance(notify, dict) or set(notify) - {"conn_id"}:
-        raise bad("notify", "expected {conn_id: <an Airflow connection whose host is the webhook URL>}")
+    if not isinstance(notify, dict) or set(notify) - {"conn_id", "to"}:
+        raise bad("notify", "expected {conn_id: <a Slack webhook, SMTP or HTTP connection>, to: [<email>, ...]}")
     if "conn_id" in notify and not (isinstance(notify["conn_id"], str) and CONN_ID.fullmatch(notify["conn_id"])):
         raise bad("notify.conn_id", f"{notify['conn_id']!r} is not a connection id")
+    # The recipients of an SMTP connection's mail. The connection's type is known only when a
+    # message is sent (no connection lookup at parse time), so `to` is checked here for its form.
+    to = notify.get("to", [])
+    to = [to] if isinstance(to, str) else to
+    if not isinstance(to, list) or not all(isinstance(address, str) and EMAIL.fullmatch(address) for address in to):
+        raise bad("notify.to", f"{notify.get('to')!r} is not an email address or a list of them")
+    if to and "conn_id" not in notify:
+        raise bad("notify.to", "recipients need notify.conn_id, the SMTP connection that sends the mail")
     tags = job.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
         raise bad("tags", "expected a list of strings")
@@ -107,6 +117,7 @@ def load_job(path: Path) -> dict[str, Any]:
         "max_active_runs": max_active_runs,
         "max_consecutive_failed_dag_runs": failed_runs,
         "notify_conn_id": notify.get("conn_id"),
+        "notify_to": to,
         "params": _params(job.get("params"), dag_id, lambda field, why: bad(field, why)),
     }
 
@@ -167,7 +178,7 @@ def declared_job_dag(file_name: str) -> DAG:
     """The DAG of include/jobs/`file_name`; raises JobConfigError (the loader's import error)."""
     path = jobs_dir() / file_name
     job = load_job(path)
-    notifier = JobNotifier(job["notify_conn_id"]) if job["notify_conn_id"] else None
+    notifier = OwnersNotifier(job["notify_conn_id"], to=job["notify_to"]) if job["notify_conn_id"] else None
     return fine_tune_dag(
         job["dag_id"],
         **{field: job[field] for field in JOB_DAG_FIELDS},
@@ -197,8 +208,9 @@ def job_doc(path: Path, job: dict[str, Any]) -> str:
     )
 
 
-def notify_targets() -> dict[str, str]:
-    """dag_id -> notification connection of every declared job (for the janitor); broken files skipped."""
+def notify_targets() -> dict[str, dict[str, Any]]:
+    """dag_id -> {"conn_id", "to"}: the notification target of every declared job (for the
+    janitor); broken files skipped."""
     targets = {}
     for path in sorted(jobs_dir().glob("*.yaml")):
         try:
@@ -206,5 +218,5 @@ def notify_targets() -> dict[str, str]:
         except JobConfigError:
             continue  # its loader shows the import error
         if job["notify_conn_id"]:
-            targets[job["dag_id"]] = job["notify_conn_id"]
+            targets[job["dag_id"]] = {"conn_id": job["notify_conn_id"], "to": job["notify_to"]}
     return targets

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from maxtext_sft.jobs import JobConfigError, jobs_dir, load_job
-from maxtext_sft.notifier import JobNotifier
+from maxtext_sft.notifier import OwnersNotifier
 from tests.conftest import REPO
 
 LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
@@ -48,13 +48,21 @@ def test_the_example_job_is_a_paused_daily_dag_running_one_at_a_time_with_its_va
     assert job.params["reservation"] == "nlp-team-v6e-8" and job.params["steps"] == 1000
     assert job.params["zone"] == manual.params["zone"]  # unset fields keep the tutorial's values
     assert sorted(job.task_dict) == sorted(manual.task_dict)  # the same pipeline
-    assert isinstance(job.on_failure_callback, JobNotifier) and job.on_failure_callback.conn_id == "nlp_team_webhook"
+    assert isinstance(job.on_failure_callback, OwnersNotifier) and job.on_failure_callback.conn_id == "nlp_team_webhook"
     assert manual.on_failure_callback is None and manual.schedule is None
     # Its page shows the file as written and the value of every Param its runs get, and whence.
     assert (REPO / "include" / "jobs" / "ultrachat-gemma3-nightly.yaml").read_text().rstrip() in job.doc_md
     assert '| `reservation` | `"nlp-team-v6e-8"` | this file |' in job.doc_md
     assert '| `network` | `"default"` | default |' in job.doc_md
     assert job.doc_md.count("\n| `") == len(job.params)
+
+
+def test_a_job_names_its_mail_recipients_in_its_notify_block(tmp_path):
+    write_job(tmp_path, "team-job.yaml", {**GOOD, "notify": {"conn_id": "team_mail", "to": "ml-team@example.com"}})
+    job = load_job(tmp_path / "team-job.yaml")
+    assert (job["notify_conn_id"], job["notify_to"]) == ("team_mail", ["ml-team@example.com"])
+    write_job(tmp_path, "team-job.yaml", {**GOOD, "notify": {"conn_id": "team_slack"}})
+    assert load_job(tmp_path / "team-job.yaml")["notify_to"] == []
 
 
 def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
@@ -84,6 +92,9 @@ def test_a_job_may_turn_catchup_on_and_allow_more_runs(tmp_path):
         ({**GOOD, "max_consecutive_failed_runs": -1}, "max_consecutive_failed_runs", "integer in [0, 1000]"),
         ({**GOOD, "max_consecutive_failed_runs": True}, "max_consecutive_failed_runs", "integer in [0, 1000]"),
         ({**GOOD, "notify": {"url": "https://x"}}, "notify", "conn_id"),
+        ({**GOOD, "notify": {"conn_id": "team_mail", "to": "not an address"}}, "notify.to", "not an email address"),
+        ({**GOOD, "notify": {"conn_id": "team_mail", "to": ["a@example.com", 5]}}, "notify.to", "not an email address"),
+        ({**GOOD, "notify": {"to": ["a@example.com"]}}, "notify.to", "need notify.conn_id"),
         ({**GOOD, "scheduel": "@daily"}, "scheduel", "unknown field"),
         ({**GOOD, "dag_id": "bad id!"}, "dag_id", "not a DAG id"),
     ],

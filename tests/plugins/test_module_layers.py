@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("pure helpers", {
         "cloud_errors", "sizing", "snapshots", "loss_curve", "training_metrics", "outputs", "lineage", "rehearsal",
-        "run_summary",
+        "run_summary", "run_story",
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",
@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "summarize", "outcome", "phase_timing", "samples", "janitor", "notifier",
     }),
     ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),
+    ("listeners", {"run_notes"}),  # Airflow plugins' logic (plugins/*_plugin.py), run by the scheduler
 ]
 NO_SIDEWAYS = {"tasks"}
 
