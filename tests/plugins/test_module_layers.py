@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("pure helpers", {
         "cloud_errors", "sizing", "snapshots", "png", "loss_curve", "outputs", "lineage", "rehearsal", "run_summary",
+        "fine_tunes",
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",
@@ -30,12 +31,14 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("the VM and the cloud", {
         "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
+        "task_links",
     }),
     ("tasks", {
         "operators.compute", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",
         "summarize", "outcome", "phase_timing", "samples", "janitor", "notifier",
     }),
     ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),
+    ("the Airflow UI", {"fine_tunes_page"}),  # served by the API server (plugins/fine_tunes_plugin.py)
 ]
 NO_SIDEWAYS = {"tasks"}
 
