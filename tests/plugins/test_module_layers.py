@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("pure helpers", {
         "cloud_errors", "sizing", "snapshots", "loss_curve", "training_metrics", "outputs", "lineage", "rehearsal",
-        "run_summary", "run_story",
+        "run_summary", "run_story", "fine_tunes",
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",
@@ -31,13 +31,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("the VM and the cloud", {
         "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
+        "task_links",
     }),
     ("tasks", {
         "operators.compute", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",
         "summarize", "outcome", "phase_timing", "samples", "janitor", "notifier",
     }),
     ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),
-    ("listeners", {"run_notes"}),  # Airflow plugins' logic (plugins/*_plugin.py), run by the scheduler
+    # The logic of the Airflow plugins (plugins/*_plugin.py): the run-note listener the scheduler
+    # calls, and the Fine-tunes page the API server serves.
+    ("Airflow plugins", {"run_notes", "fine_tunes_page"}),
 ]
 NO_SIDEWAYS = {"tasks"}
 

@@ -29,7 +29,8 @@ def test_only_the_plugin_file_is_loaded_and_its_import_is_cheap():
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
     # The plugins manager imports every .py file it finds: the package's modules are not plugins.
-    assert [os.path.relpath(path, REPO) for path in found["files"]] == ["plugins/run_notes_plugin.py"]
+    assert [os.path.relpath(path, REPO) for path in found["files"]] == [
+        "plugins/fine_tunes_plugin.py", "plugins/run_notes_plugin.py"]
     assert found["listeners"] == ["maxtext_sft.run_notes"]
     ours = sorted(name for name in found["imported"] if name.startswith("maxtext_sft"))
     assert ours == ["maxtext_sft", "maxtext_sft.run_notes"]  # the rest is imported when a run ends

@@ -27,6 +27,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
+from maxtext_sft.task_links import VmConsoleLink
 from maxtext_sft.triggers.capacity import (
     CAPACITY_FIRST_READ_SECONDS,
     CAPACITY_POLL_SECONDS,
@@ -76,6 +77,9 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         "reservation",
         "max_capacity_wait_minutes",
     )
+    # Instead of the provider's instance link, which reads parse-time fields: the VM this try
+    # created or adopted, from its return value.
+    operator_extra_links = (VmConsoleLink(),)
 
     def __init__(
         self,

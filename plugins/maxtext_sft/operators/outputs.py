@@ -37,6 +37,7 @@ from maxtext_sft.outputs import (
 from maxtext_sft.paths import local_output_dir
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.task_links import HubCommitLink, RunFolderConsoleLink
 from maxtext_sft.training_metrics import TrainingMetrics, parse_metrics
 from maxtext_sft.vm_access import HostKeysNotPublished, transient_ssh_errors, vm_ssh_hook
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
@@ -53,6 +54,7 @@ class CollectOutputsOperator(RunTaskOperator):
     (locations, final step and loss, loss history, base and tuned eval loss)."""
 
     template_fields: Sequence[str] = ("spec", "training", "base_checkpoint", "export")
+    operator_extra_links = (RunFolderConsoleLink(),)  # from the run record this task returns
 
     def __init__(self, *, training, base_checkpoint, export, ssh_conn_id: str, **kwargs):
         super().__init__(ssh_conn_id=ssh_conn_id, **kwargs)
@@ -198,6 +200,7 @@ class PublishToHubOperator(RunTaskOperator):
     """
 
     template_fields: Sequence[str] = ("spec", "record")
+    operator_extra_links = (HubCommitLink(),)  # from the commit this task returns
 
     def __init__(self, *, record, hf_conn_id: str, **kwargs):
         super().__init__(hf_conn_id=hf_conn_id, **kwargs)
