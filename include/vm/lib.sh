@@ -114,3 +114,13 @@ note_contact() {
   _busy_marker="$dir/busy/$$"
   on_exit 'rm -f "$_busy_marker"'
 }
+
+# Prints the lines of FILE that hold the fixed string TEXT, at most MAX of them, evenly spread, the
+# first and the last always among them (a run record's history need not hold every step).
+print_spread() {
+  local text=$1 file=$2 max=$3 total every
+  total=$(grep -a -F -c -- "$text" "$file" || true)
+  every=$(((total + max - 1) / max))
+  [ "$every" -ge 1 ] || every=1
+  grep -a -F -- "$text" "$file" | awk -v every="$every" -v total="$total" '(NR - 1) % every == 0 || NR == total' || true
+}

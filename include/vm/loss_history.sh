@@ -17,7 +17,4 @@ if [ ! -f "$log" ]; then
   echo "no training log at $log" >&2
   exit 1
 fi
-total=$(grep -a -c 'completed step: ' "$log" || true)
-every=$(((total + max_lines - 1) / max_lines))
-[ "$every" -ge 1 ] || every=1
-grep -a 'completed step: ' "$log" | awk -v every="$every" -v total="$total" '(NR - 1) % every == 0 || NR == total' || true
+print_spread 'completed step: ' "$log" "$max_lines"

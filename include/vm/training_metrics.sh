@@ -18,8 +18,5 @@ if [ ! -f "$metrics" ]; then
   echo "no metrics file at $metrics" >&2
   exit 1
 fi
-grep -a '"eval/avg_loss"' "$metrics" || true
-total=$(grep -a -c '"learning/loss"' "$metrics" || true)
-every=$(((total + max_lines - 1) / max_lines))
-[ "$every" -ge 1 ] || every=1
-grep -a '"learning/loss"' "$metrics" | awk -v every="$every" -v total="$total" '(NR - 1) % every == 0 || NR == total' || true
+grep -a -F '"eval/avg_loss"' "$metrics" || true
+print_spread '"learning/loss"' "$metrics" "$max_lines"
