@@ -110,6 +110,8 @@ def test_the_fine_tunes_page_lists_every_run_of_every_fine_tune_dag(start_airflo
             wait.until(lambda d: len(rows_shown(d)) == len(newest_first))
             assert cell_text(driver, published, 4) == f"{STEPS} of {STEPS}"
             assert cell_text(driver, published, 5) == f"{float(record['final_loss']):.4g}"
+            evals = record["eval_loss"]
+            assert cell_text(driver, published, 6) == f"{evals['base']:.4g} → {evals['tuned']:.4g}"
             assert "h, $" in cell_text(driver, published, 7)
             published_link = driver.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{published}"] td:nth-child(8) a')
             assert published_link.get_attribute("href") == hub_commit
@@ -117,7 +119,7 @@ def test_the_fine_tunes_page_lists_every_run_of_every_fine_tune_dag(start_airflo
                 By.CSS_SELECTOR, f'tr[data-run-id="{published}"] td:nth-child(9) a')}
             assert output_links["export"].startswith(f"https://console.cloud.google.com/storage/browser/{LOCAL_BUCKET}/")
             assert output_links["run in Airflow"].endswith(f"/dags/maxtext_sft/runs/{requests.utils.quote(published, safe='')}")
-            assert cell_text(driver, oldest, 8) == "not published: no hub_repo_id"
+            assert cell_text(driver, oldest, 8) == "not published: hub_repo_id is not set"
             assert "run record: " in cell_text(driver, oldest, 9)  # on the worker: a path, no link
 
             Select(driver.find_element(By.ID, "job-filter")).select_by_value("maxtext_sft")
