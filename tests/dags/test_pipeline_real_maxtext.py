@@ -4,12 +4,13 @@ the sample-generations DAG downstream of it loads the tuned model in the image's
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, ModelCard
 
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
@@ -39,7 +40,15 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     run = wait_for_run_end(airflow, run_id, timeout=1200)
     assert run["state"] == "success", airflow.task_states(run_id)
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == STEPS
-    assert airflow.xcom(run_id, "publish_to_hub")["commit"]
+    # MaxText's own eval loop measured the base model before the first step and the tuned model
+    # after the last, on the toy's held-out split, and wrote both to its metrics file.
+    record = airflow.xcom(run_id, "collect_outputs")
+    assert [step for step, _ in record["eval_history"]] == [0, STEPS], record["eval_history"]
+    base, tuned = record["eval_loss"]["base"], record["eval_loss"]["tuned"]
+    assert 0 < tuned < base, record["eval_loss"]  # five steps on the toy's own data lower its held-out loss
+    assert [step for step, _ in record["loss_history"]] == list(range(1, STEPS + 1))
+    published = airflow.xcom(run_id, "publish_to_hub")
+    assert published["published"] is True and published["commit"], published
     # Each training step was logged once, with its loss, as training went.
     log = "\n".join(str(line) for line in airflow.task_log(run_id, "wait_for_final_checkpoint"))
     logged = [int(step) for step in re.findall(r"training progress: step (\d+), loss [0-9.]+", log)]
@@ -74,6 +83,10 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     hub = HfApi(endpoint=local_cloud.hub.endpoint, token=hf_token)
     hub_files = set(hub.list_repo_files(published["repo_id"], revision=published["commit"]))
     assert {"config.json", "model.safetensors.index.json", "README.md", *shards} <= hub_files
+    # The published card's model-index holds the tuned eval loss, as huggingface_hub parses it.
+    card = ModelCard(Path(hub.hf_hub_download(published["repo_id"], "README.md", revision=published["commit"])).read_text())
+    [result] = card.data.eval_results
+    assert (result.metric_type, result.metric_value, result.dataset_split) == ("loss", tuned, "test_sft")
 
     # The tuned-model Asset event says where the model is and what made it...
     [event] = airflow.get("/api/v2/assets/events?source_dag_id=maxtext_sft")["asset_events"]
