@@ -327,6 +327,13 @@ def test_the_trigger_form_shows_every_param_requires_the_reservation_and_starts_
             states = airflow.task_states(run_id)
             assert final["state"] == "success", states
             assert set(states.values()) == {"success"}, states
+            # The run's note (the run-notes listener, set as the scheduler ended the run) says how it went.
+            summary = airflow.xcom(run_id, "summarize_run")
+            evals = summary["eval_loss"]
+            assert final["note"].startswith(
+                f"Succeeded: {RUN_CONF['steps']} steps, final loss {float(summary['final_loss']):.4g}, "
+                f"eval loss {evals['base']:.4g} -> {evals['tuned']:.4g}, not published: hub_repo_id is not set"
+            ), final["note"]
             check_graph_view(driver, airflow, run_id)
         except BaseException:
             save_artifact(driver, "trigger-form-failure")
