@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The training's per-step metrics, for the run record's loss curve: prints the "completed step"
-# lines of the log start_training.sh keeps (WORK_DIR/maxtext-sft-runs/RUN_NAME/train.log), at
-# most MAX_LINES of them, evenly spread, the first and the last always among them.
+# The training log's per-step lines, which start_training.sh copies to storage as the training
+# exits (the final loss, when the VM is gone by then): prints the "completed step" lines of the log
+# (WORK_DIR/maxtext-sft-runs/RUN_NAME/train.log), at most MAX_LINES of them, evenly spread, the
+# first and the last always among them.
 # Reads only: safe to run twice. A VM recreated mid-training has the log since it resumed.
 # Usage: loss_history.sh WORK_DIR RUN_NAME MAX_LINES
 set -euo pipefail

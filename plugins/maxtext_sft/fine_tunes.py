@@ -14,6 +14,8 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
+from maxtext_sft.run_names import split_gcs_uri
+
 # fine_tune_dag tags every DAG it builds with this: the page finds the fine-tune DAGs by it.
 FINE_TUNE_TAG = "fine-tune"
 
@@ -34,8 +36,8 @@ def split_gs_uri(uri: Any) -> tuple[str, str] | None:
     """(bucket, path) of gs://BUCKET/PATH; None for anything else (a worker's folder, "-")."""
     if not isinstance(uri, str) or not uri.startswith("gs://"):
         return None
-    bucket, _, path = uri[len("gs://"):].partition("/")
-    return (bucket, path.strip("/")) if bucket else None
+    bucket, path = split_gcs_uri(uri)
+    return (bucket, path) if bucket else None
 
 
 def storage_folder_console_url(uri: Any) -> str | None:

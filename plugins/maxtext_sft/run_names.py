@@ -25,9 +25,18 @@ def label_value(text: str) -> str:
 # Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
 ORBAX_COMMIT_MARKER = "commit_success.txt"
 # What start_training.sh copies into the run's folder in storage as the training exits (its
-# STORAGE_FOLDER argument): the log's step lines and MaxText's metrics file.
+# STEP_LINES_URI and METRICS_URI arguments): the log's step lines and MaxText's metrics file.
 TRAINING_STEPS_NAME = "training-steps.log"
 TRAINING_METRICS_NAME = "training-metrics.jsonl"
+
+
+def split_gcs_uri(uri: str) -> tuple[str, str]:
+    """gs://bucket/some/prefix -> ("bucket", "some/prefix")."""
+    if not uri.startswith("gs://"):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    bucket, _, name = uri[len("gs://") :].partition("/")
+    return bucket, name.strip("/")
+
 
 # The recovery ledger's objects (vm_recovery.py): N.json per recovery, N-resumed.json once its
 # training resumed.

@@ -36,9 +36,6 @@ class TrainingMetrics:
         resumed on a new VM lost the first VM's file, a run without evaluation has none)."""
         return {"base": self.eval_loss_at(0), "tuned": self.eval_loss_at(final_step) if final_step else None}
 
-    def loss_at(self, step: int) -> float | None:
-        return next((loss for at, loss in self.train if at == step), None)
-
 
 def _number(value) -> float | None:
     """A loss as a finite float; None for NaN, infinity or anything else (JSON has no NaN, and a

@@ -15,18 +15,10 @@ from google.api_core.exceptions import PreconditionFailed
 
 from airflow.providers.google.cloud.hooks.gcs import GCSHook
 from maxtext_sft.hooks.endpoints import endpoint_override
-from maxtext_sft.run_names import ORBAX_COMMIT_MARKER
+from maxtext_sft.run_names import ORBAX_COMMIT_MARKER, split_gcs_uri  # noqa: F401 - split_gcs_uri: its callers' import
 
 API_PATH = "storage/v1/"
 __all__ = ["ORBAX_COMMIT_MARKER", "StorageEndpointHook", "split_gcs_uri"]
-
-
-def split_gcs_uri(uri: str) -> tuple[str, str]:
-    """gs://bucket/some/prefix -> ("bucket", "some/prefix")."""
-    if not uri.startswith("gs://"):
-        raise ValueError(f"not a gs:// URI: {uri!r}")
-    bucket, _, name = uri[len("gs://") :].partition("/")
-    return bucket, name.strip("/")
 
 
 class StorageEndpointHook(GCSHook):
