@@ -197,8 +197,9 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "insert", _policy_path(key), resource["id"], request_id, region=region
             )
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
-        return copy.deepcopy(op)
+        return answer
 
     def _policy(self, key: tuple[str, str, str]) -> dict:
         found = self.slices.policies.get(key)
@@ -224,8 +225,9 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "delete", _policy_path(key), resource["id"], request_id, region=region
             )
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
-        return copy.deepcopy(op)
+        return answer
 
     # ----- instanceTemplates (global and regional) -----------------------------------------
 
@@ -282,8 +284,9 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "insert", _template_path(key), resource["id"], request_id, region=region
             )
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
-        return copy.deepcopy(op)
+        return answer
 
     def _delete_template(self, project: str, region: str | None, name: str, req: Request) -> dict:
         e = _emulator()
@@ -299,8 +302,9 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "delete", _template_path(key), resource["id"], request_id, region=region
             )
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
-        return copy.deepcopy(op)
+        return answer
 
     # ----- instanceGroupManagers (zonal) ---------------------------------------------------
 
@@ -375,9 +379,10 @@ class SliceResources:
             del template  # members read the template each attempt (it cannot change while used)
         # The insert's operation is DONE once the group exists; its instances are created after
         # (gcloud's `managed create` returns before them; `wait-until --stable` waits for them).
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
         threading.Thread(target=self._manage_group, args=(group,), name=f"mig-{name}", daemon=True).start()
-        return copy.deepcopy(op)
+        return answer
 
     def _reference(self, project: str, value: str, pattern: str, field: str) -> tuple[str, str, str]:
         """(project, scope, name) of a full or partial URL to a resource (the forms the discovery
@@ -458,8 +463,9 @@ class SliceResources:
                 raise errors.not_ready(group.path)
             group.deleting = True
             op = self._register_operation(project, zone, "delete", group.path, group.resource["id"], request_id)
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op, lambda: self._delete_members(group))
-        return copy.deepcopy(op)
+        return answer
 
     def _delete_members(self, group: Group) -> None:
         """Delete every instance of the group (instances.delete's own path), wait until all are
