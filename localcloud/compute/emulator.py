@@ -22,6 +22,9 @@ instances.stop keeps a VM's files; images.insert with `sourceDisk` makes an imag
 (a global operation; the image READY when it is DONE), which instances boot from by name, family
 (global/images/family/F) or family view (zones/-/imageFamilyViews/F); see the images section and
 disk_images.py for what an image holds.
+
+Multi-host TPU slices (resource policies, instance templates, managed instance groups whose
+members are this module's instances) are served by groups.py, mixed into ComputeEmulator.
 """
 
 from __future__ import annotations
