@@ -344,9 +344,15 @@ class SliceResources:
                     "resource.resourcePolicies.workloadPolicy",
                 )
                 self._policy(policy_key)
-            target_size = int(body.get("targetSize") or 0)
+            if "targetSize" not in body:
+                # kubernetes/kops#2132: "Required field 'resource.targetSize' not specified" (400
+                # required), as the Go client omits a zero size.
+                raise errors.ApiError(400, "required", "Required field 'resource.targetSize' not specified")
+            target_size = int(body["targetSize"])
             if target_size < 0:
-                raise errors.invalid_field_value("resource.targetSize", target_size, "Must be at least 0.")
+                # The API's invalid-value shape (errors.invalid_field_value); no capture of its
+                # explanation for a negative size was found, so none is added.
+                raise errors.invalid(f"Invalid value for field 'resource.targetSize': '{target_size}'.")
             base_name = body.get("baseInstanceName") or name
             resource = copy.deepcopy(body)
             resource.update(
