@@ -22,6 +22,9 @@ instances.stop keeps a VM's files; images.insert with `sourceDisk` makes an imag
 (a global operation; the image READY when it is DONE), which instances boot from by name, family
 (global/images/family/F) or family view (zones/-/imageFamilyViews/F); see the images section and
 disk_images.py for what an image holds.
+
+Multi-host TPU slices (resource policies, instance templates, managed instance groups whose
+members are this module's instances) are served by groups.py, mixed into ComputeEmulator.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._daemon import RequestLog
-from . import catalog, disk_images, errors, guest_power
+from . import catalog, disk_images, errors, groups, guest_power
 from .errors import ApiError
 from .filters import parse_filter
 from .guest import GuestAccounts, metadata_value
@@ -712,7 +715,7 @@ class CustomImage:
         return self.resource["status"] == "READY" and "deprecated" not in self.resource
 
 
-class ComputeEmulator:
+class ComputeEmulator(groups.SliceResources):
     def __init__(
         self,
         state_dir: Path,
@@ -740,6 +743,7 @@ class ComputeEmulator:
         self.image_sequence = 0
         self.ip_leases: dict[str, int] = {}  # address -> fd holding its machine-wide flock
         self.faults = Faults()
+        self.slices = groups.SliceState()  # resource policies, instance templates, MIGs
         self.request_log = RequestLog(state_dir / "compute-requests.jsonl")
         self.closing = False
         (state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
@@ -788,7 +792,7 @@ class ComputeEmulator:
         ("POST", r"projects/(?P<project>[^/]+)/global/operations/(?P<operation>[^/]+)/wait", "wait_global_operation"),
         ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)", "get_operation"),
         ("POST", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_operation"),
-    ]
+    ] + groups.ROUTES
     _COMPILED = [(m, re.compile(p), h) for m, p, h in ROUTES]
 
     def dispatch(self, method: str, path: str, req: Request) -> tuple[int, object]:
@@ -935,8 +939,11 @@ class ComputeEmulator:
         page, token = self._page(resources, req)
         items: dict[str, dict] = {}
         for resource in page:
-            zone = resource.get("zone")
-            scope = f"zones/{zone.path.rsplit('/', 1)[1]}" if zone else "global"
+            zone, region = resource.get("zone"), resource.get("region")
+            if zone:
+                scope = f"zones/{zone.path.rsplit('/', 1)[1]}"
+            else:
+                scope = f"regions/{region.path.rsplit('/', 1)[1]}" if region else "global"
             items.setdefault(scope, {collection: []})[collection].append(resource)
         path = f"projects/{project}/aggregated/{collection}"
         result = {"kind": kind, "id": path, "items": items, "selfLink": Link(path)}
@@ -1742,16 +1749,24 @@ class ComputeEmulator:
         target_path: str,
         target_id: str,
         request_id: str | None,
+        *,
+        region: str | None = None,
     ) -> dict:
-        """A new PENDING operation (under the lock): zonal, or global when `zone` is None (a
-        global operation has no `zone` field)."""
+        """A new PENDING operation (under the lock): zonal, regional when `region` is given (a
+        `region` field instead of `zone`; stored under the key "regions/REGION", which no zone
+        name can equal), or global when neither is (a global operation has no `zone` field)."""
         name = new_operation_name()
-        scope = f"projects/{project}/zones/{zone}" if zone else f"projects/{project}/global"
+        if region:
+            scope, zone = f"projects/{project}/regions/{region}", f"regions/{region}"
+            located = {"region": Link(scope)}
+        else:
+            scope = f"projects/{project}/zones/{zone}" if zone else f"projects/{project}/global"
+            located = {"zone": Link(scope)} if zone else {}
         op = {
             "kind": "compute#operation",
             "id": new_id(),
             "name": name,
-            **({"zone": Link(scope)} if zone else {}),
+            **located,
             "operationType": operation_type,
             "targetLink": Link(target_path),
             "targetId": target_id,
@@ -1770,7 +1785,7 @@ class ComputeEmulator:
     def _operation(self, project: str, zone: str | None, name: str) -> dict:
         op = self.operations.get((project, zone, name))
         if op is None:
-            scope = f"zones/{zone}" if zone else "global"
+            scope = (zone if zone.startswith("regions/") else f"zones/{zone}") if zone else "global"
             raise errors.not_found(f"projects/{project}/{scope}/operations/{name}")
         return op
 
