@@ -212,19 +212,25 @@ class SliceResources:
             return copy.deepcopy(self._policy((project, region, name)))
 
     def delete_resource_policy(self, project: str, region: str, name: str, req: Request) -> dict:
-        e = _emulator()
-        request_id = e._one(req.query, "requestId")
         key = (project, region, name)
+        return self._delete_unused(
+            self.slices.policies, key, _policy_path(key), "resource_policy", lambda g: g.policy_key == key, region, req
+        )
+
+    def _delete_unused(self, store: dict, key: tuple, path: str, kind: str, used_by, region: str | None, req) -> dict:
+        """Delete `store[key]` (a policy or a template) unless a group uses it (`used_by(group)`);
+        the delete's operation, as sent."""
+        request_id = _emulator()._one(req.query, "requestId")
+        project = key[0]
         with self.lock:
             if replayed := self._replayed(project, request_id):
                 return replayed
-            resource = self._policy(key)
-            if user := next((g for g in self.slices.groups.values() if g.policy_key == key), None):
-                raise _in_use("resource_policy", _policy_path(key), user.path)
-            del self.slices.policies[key]
-            op = self._register_operation(
-                project, None, "delete", _policy_path(key), resource["id"], request_id, region=region
-            )
+            if key not in store:
+                raise errors.not_found(path)
+            if user := next((g for g in self.slices.groups.values() if used_by(g)), None):
+                raise _in_use(kind, path, user.path)
+            resource = store.pop(key)
+            op = self._register_operation(project, None, "delete", path, resource["id"], request_id, region=region)
         answer = copy.deepcopy(op)  # as sent, before the worker can finish it
         self._finish_soon(op)
         return answer
@@ -289,22 +295,11 @@ class SliceResources:
         return answer
 
     def _delete_template(self, project: str, region: str | None, name: str, req: Request) -> dict:
-        e = _emulator()
-        request_id = e._one(req.query, "requestId")
         key = (project, f"regions/{region}" if region else "global", name)
-        with self.lock:
-            if replayed := self._replayed(project, request_id):
-                return replayed
-            resource = self._template(key)
-            if user := next((g for g in self.slices.groups.values() if g.template_key == key), None):
-                raise _in_use("instance_template", _template_path(key), user.path)
-            del self.slices.templates[key]
-            op = self._register_operation(
-                project, None, "delete", _template_path(key), resource["id"], request_id, region=region
-            )
-        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
-        self._finish_soon(op)
-        return answer
+        return self._delete_unused(
+            self.slices.templates, key, _template_path(key), "instance_template", lambda g: g.template_key == key,
+            region, req,
+        )
 
     # ----- instanceGroupManagers (zonal) ---------------------------------------------------
 
