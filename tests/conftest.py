@@ -80,6 +80,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("spread") is None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # The real-MaxText files first: each takes minutes on one worker, and the workers take files
+    # in this order, so the shorter ones fill both workers' tails instead of one waiting for the
+    # last of them (measured: one worker idle for the last 6 minutes otherwise).
+    items.sort(key=lambda item: item.get_closest_marker("real_maxtext") is None)
 
 
 @pytest.hookimpl(optionalhook=True)
