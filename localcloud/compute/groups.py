@@ -197,7 +197,11 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "insert", _policy_path(key), resource["id"], request_id, region=region
             )
-        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
+        return self._sent(op)
+
+    def _sent(self, op: dict) -> dict:
+        """The operation as its request is answered: copied before the worker can finish it."""
+        answer = copy.deepcopy(op)
         self._finish_soon(op)
         return answer
 
@@ -231,9 +235,7 @@ class SliceResources:
                 raise _in_use(kind, path, user.path)
             resource = store.pop(key)
             op = self._register_operation(project, None, "delete", path, resource["id"], request_id, region=region)
-        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
-        self._finish_soon(op)
-        return answer
+        return self._sent(op)
 
     # ----- instanceTemplates (global and regional) -----------------------------------------
 
@@ -290,9 +292,7 @@ class SliceResources:
             op = self._register_operation(
                 project, None, "insert", _template_path(key), resource["id"], request_id, region=region
             )
-        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
-        self._finish_soon(op)
-        return answer
+        return self._sent(op)
 
     def _delete_template(self, project: str, region: str | None, name: str, req: Request) -> dict:
         key = (project, f"regions/{region}" if region else "global", name)
