@@ -4,10 +4,33 @@ Hugging Face models MaxText converts. Plain data, no imports: the Params' choice
 from __future__ import annotations
 
 # TPU runtime environment per machine type (the tutorial's TPU_* exports for ct6e-standard-8t).
+# host_bounds: how many hosts the slice spans in each dimension (one, on a single-host machine).
 TPU_TOPOLOGIES: dict[str, dict[str, str]] = {
-    "ct6e-standard-8t": {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1"},
-    "ct6e-standard-4t": {"accelerator_type": "v6e-4", "topology": "2x2", "chips_per_host_bounds": "2,2,1"},
-    "ct6e-standard-1t": {"accelerator_type": "v6e-1", "topology": "1x1", "chips_per_host_bounds": "1,1,1"},
+    "ct6e-standard-8t": {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1", "host_bounds": "1,1,1"},
+    "ct6e-standard-4t": {"accelerator_type": "v6e-4", "topology": "2x2", "chips_per_host_bounds": "2,2,1", "host_bounds": "1,1,1"},
+    "ct6e-standard-1t": {"accelerator_type": "v6e-1", "topology": "1x1", "chips_per_host_bounds": "1,1,1", "host_bounds": "1,1,1"},
+}
+
+# Multi-host v6e slices on Compute Engine: a managed instance group of `hosts` ct6e-standard-4t
+# VMs (4 chips each, 2x2) under a workload policy with the slice's accelerator topology. The
+# shapes are the Cloud TPU v6e documentation's multi-host configurations (v6e-16 4x4 to v6e-256
+# 16x16; chips = hosts x 4); host_bounds is topology / chips per host, as TPU_HOST_BOUNDS.
+TPU_SLICES: dict[str, dict[str, str | int]] = {
+    f"v6e-{chips}": {
+        "accelerator_type": f"v6e-{chips}",
+        "machine_type": "ct6e-standard-4t",
+        "hosts": chips // 4,
+        "topology": topology,
+        "chips_per_host_bounds": "2,2,1",
+        "host_bounds": host_bounds,
+    }
+    for chips, topology, host_bounds in (
+        (16, "4x4", "2,2,1"),
+        (32, "4x8", "2,4,1"),
+        (64, "8x8", "4,4,1"),
+        (128, "8x16", "4,8,1"),
+        (256, "16x16", "8,8,1"),
+    )
 }
 
 # The models MaxText 0.2.2 converts from Hugging Face, each with the Hub checkpoint its converter

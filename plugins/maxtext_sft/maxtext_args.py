@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from maxtext_sft.catalog import TPU_TOPOLOGIES
+from maxtext_sft.catalog import TPU_SLICES, TPU_TOPOLOGIES
 from maxtext_sft.rehearsal_kit import toy_args
 from maxtext_sft.run_params import SpecError
 
@@ -75,7 +75,9 @@ class MaxTextCommandLines:
 
     @property
     def tpu(self) -> dict[str, str]:
-        return TPU_TOPOLOGIES[self.machine_type]
+        """The TPU runtime environment: the slice's (tpu_slice) or the single VM's machine type."""
+        tpu_slice = self.params.get("tpu_slice")
+        return TPU_SLICES[tpu_slice] if tpu_slice else TPU_TOPOLOGIES[self.machine_type]
 
     def conversion_key(self) -> dict[str, Any]:
         """What a converted base checkpoint depends on: runs with equal keys share one conversion."""

@@ -53,6 +53,10 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
     base_model_license: str | None  # the model card's licence, when the base model is MaxText's own
     dataset_files: tuple[str, ...]  # the snapshot's files the run reads (train_files_pattern), for the record
     params: Mapping[str, Any]  # every declared Param by name, checked and resolved
+    # On a multi-host slice, the host a step runs on: its worker id (JAX process id) and every
+    # host's internal address in worker order. A single VM is worker 0 of ("localhost",).
+    host_index: int = 0
+    worker_hostnames: tuple[str, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when no field or property has the name: the declared Params.

@@ -251,7 +251,9 @@ def test_defaults_are_the_tutorials():
     assert TUTORIAL_DEFAULTS["machine_type"] == "ct6e-standard-8t"
     assert TUTORIAL_DEFAULTS["steps"] == 1000
     spec = make_spec()
-    assert spec.tpu == {"accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1"}
+    assert spec.tpu == {
+        "accelerator_type": "v6e-8", "topology": "2x4", "chips_per_host_bounds": "2,4,1", "host_bounds": "1,1,1"
+    }
     body = spec.instance_body()
     assert body["scheduling"]["provisioning_model"] == "RESERVATION_BOUND"
     assert body["scheduling"]["instance_termination_action"] == "DELETE"
