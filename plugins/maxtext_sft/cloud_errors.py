@@ -225,3 +225,9 @@ def classify(error: BaseException) -> Verdict | None:
             if rule.matches(item):
                 return Verdict(rule, item)
     return None
+
+
+def classify_items(items: list[dict]) -> Verdict | None:
+    """`classify` for errors given as data: `{code, message}` items, as an operation's
+    `error.errors[]` or a managed instance's `lastAttempt.errors.errors[]` hold them."""
+    return classify(OperationFailed({"error": {"errors": items}})) if items else None

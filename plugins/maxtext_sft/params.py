@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from airflow.sdk import Param
-from maxtext_sft.run_params import REHEARSAL_DEFAULTS, Declared, all_params, declared, form_schema
+from maxtext_sft.run_params import REHEARSAL_DEFAULTS, SLICE_DEFAULTS, Declared, all_params, declared, form_schema
 
 
 def airflow_params(table: Iterable[Declared] | None = None) -> dict[str, Param]:
@@ -28,8 +28,11 @@ def airflow_params(table: Iterable[Declared] | None = None) -> dict[str, Param]:
     }
 
 
-def pipeline_params(rehearsal: bool = False) -> dict[str, Param]:
-    """The fine-tune DAG's Params; with `rehearsal`, its rehearsal's (the CPU VM's, a few steps)."""
+def pipeline_params(rehearsal: bool = False, tpu_slice: bool = False) -> dict[str, Param]:
+    """The fine-tune DAG's Params; with `rehearsal`, its rehearsal's (the CPU VM's, a few steps);
+    with `tpu_slice`, the multi-host slice DAG's (its shape, its hosts' machine type)."""
+    if tpu_slice:
+        return with_defaults(airflow_params(all_params(tpu_slice=True)), SLICE_DEFAULTS)
     if not rehearsal:
         return airflow_params()
     return with_defaults(airflow_params(all_params(rehearsal=True)), REHEARSAL_DEFAULTS)

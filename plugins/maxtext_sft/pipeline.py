@@ -27,13 +27,26 @@ from maxtext_sft.fine_tunes import FINE_TUNE_TAG
 from maxtext_sft.lineage import TUNED_MODEL
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
 from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
-from maxtext_sft.operators.vm_script import VmScriptOperator
+from maxtext_sft.operators.slice import (
+    CreateInstanceTemplateOperator,
+    CreateSliceOperator,
+    CreateWorkloadPolicyOperator,
+    DeleteInstanceTemplateOperator,
+    DeleteSliceOperator,
+    DeleteWorkloadPolicyOperator,
+)
+from maxtext_sft.operators.vm_script import SliceScriptOperator, VmScriptOperator
 from maxtext_sft.outcome import check_run_outcome, record_failure
 from maxtext_sft.phase_timing import note_phase_start, record_phase
 from maxtext_sft.plan import plan_run as plan
 from maxtext_sft.preflight import run_preflight
 from maxtext_sft.run_summary import SummaryTasks
-from maxtext_sft.sensors.vm import TrainingCheckpointSensor, VmSshReadySensor
+from maxtext_sft.sensors.vm import (
+    SliceSshReadySensor,
+    SliceTrainingSensor,
+    TrainingCheckpointSensor,
+    VmSshReadySensor,
+)
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.summarize import summarize_run
 
@@ -55,12 +68,17 @@ def fine_tune_dag(
     on_failure_callback: Callable | None = None,
     doc_md: str | None = None,
     rehearsal: bool = False,
+    tpu_slice: bool = False,
 ) -> DAG:
     """A DAG that runs the fine-tune with these Param defaults on this schedule.
 
     `rehearsal`: the same tasks on a cheap on-demand CPU VM (rehearsal_machine_type, no
     reservation), at toy size (the kit prepare_rehearsal makes on the VM), plus the checks from
-    the VM (check_vm_access); its run summary lists what each check proved."""
+    the VM (check_vm_access); its run summary lists what each check proved.
+
+    `tpu_slice`: the same steps on a multi-host slice (the tpu_slice Param: a workload policy, an
+    instance template and a managed instance group of hosts), each step on every host or on host 0;
+    the teardown deletes the group, the template and the policy."""
     with DAG(
         dag_id=dag_id,
         description=description,
@@ -84,7 +102,7 @@ def fine_tune_dag(
         ),
         doc_md=doc_md or __doc__,
     ) as dag:
-        _add_fine_tune_tasks(rehearsal)
+        _add_fine_tune_tasks(rehearsal, tpu_slice)
     return dag
 
 
@@ -99,7 +117,7 @@ PHASES = {
 }
 
 
-def _add_fine_tune_tasks(rehearsal: bool) -> None:
+def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
     phase = {name: TaskGroup(name, tooltip=tooltip, prefix_group_id=False) for name, tooltip in PHASES.items()}
 
     @task(multiple_outputs=True)
@@ -107,7 +125,8 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         """Validate Params and connections; derive names and paths; pin the dataset snapshot.
         Bad input fails at once (no retries); nothing is paid for yet."""
         return plan(
-            context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID, rehearsal=rehearsal
+            context, gcp_conn_id=GCP_CONN_ID, ssh_conn_id=SSH_CONN_ID, hf_conn_id=HF_CONN_ID, rehearsal=rehearsal,
+            tpu_slice=tpu_slice,
         )
 
     run = plan_run.override(task_group=phase["plan"])()
@@ -134,74 +153,105 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         task_id="vm_lease", on_execute_callback=None, on_success_callback=None, task_group=phase["provision"]
     )
 
-    # 1. Create the VM, once the reservation has a machine free: across every DAG that uses it,
-    # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity) defers
-    # the task to the triggerer, holding no worker slot, up to max_capacity_wait_minutes.
-    create_vm = CreateVmOperator(
-        task_id="create_vm",
-        task_group=phase["provision"],
-        project_id=run["project_id"],
-        zone=run["zone"],
-        resource_id=run["vm_name"],
-        request_id=run["request_id"],
-        body=run["instance_body"],
-        lifetime_minutes=run["lifetime_minutes"],
-        reservation=run["reservation"],
-        max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
-        **capacity_reads(),
-        gcp_conn_id=GCP_CONN_ID,
-        retry_exponential_backoff=True,  # 5xx errors clear up over minutes
-    )
-    # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
-    # sensor's timeout only backs it up.
-    wait_for_ssh = VmSshReadySensor(
-        task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
-        **vm_connections,
-    )
+    if tpu_slice:
+        # 1. The slice: its workload policy and instance template, then the group of hosts, once
+        # the reservation has a machine free for every host (deferred while it has not); then
+        # one deferred wait until every host is RUNNING. Its XCom is the hosts, in worker order.
+        create_workload_policy = CreateWorkloadPolicyOperator(
+            task_id="create_workload_policy", task_group=phase["provision"], project_id=run["project_id"],
+            region=run["region"], body=run["workload_policy_body"], gcp_conn_id=GCP_CONN_ID,
+        )
+        create_instance_template = CreateInstanceTemplateOperator(
+            task_id="create_instance_template", task_group=phase["provision"], project_id=run["project_id"],
+            body=run["instance_template_body"], lifetime_minutes=run["lifetime_minutes"], gcp_conn_id=GCP_CONN_ID,
+        )
+        create_vm = CreateSliceOperator(
+            task_id="create_slice",
+            task_group=phase["provision"],
+            project_id=run["project_id"],
+            zone=run["zone"],
+            body=run["group_body"],
+            hosts=run["hosts"],
+            reservation=run["reservation"],
+            max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
+            ready_timeout_seconds=run["ready_timeout_seconds"],
+            **capacity_reads(),
+            gcp_conn_id=GCP_CONN_ID,
+            retry_exponential_backoff=True,
+        )
+        creates = [create_workload_policy, create_instance_template, create_vm]
+        # Every later step knows the hosts from create_slice; one-host steps run on host 0.
+        hosts = {"hosts": create_vm.output}
+        wait_for_ssh = SliceSshReadySensor(
+            task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
+            **hosts, **vm_connections,
+        )
 
-    # 2. Install MaxText.
-    install_maxtext = VmScriptOperator(
-        task_id="install_maxtext", step="install", spec=run["spec"], task_group=phase["provision"], **step_connections
-    )
+        def vm_step(task_id: str, step: str, group: str, *, on_all_hosts: bool, **more) -> VmScriptOperator:
+            return SliceScriptOperator(
+                task_id=task_id, step=step, spec=run["spec"], task_group=phase[group], on_all_hosts=on_all_hosts,
+                **hosts, **step_connections, **more,
+            )
+    else:
+        # 1. Create the VM, once the reservation has a machine free: across every DAG that uses it,
+        # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity) defers
+        # the task to the triggerer, holding no worker slot, up to max_capacity_wait_minutes.
+        create_vm = CreateVmOperator(
+            task_id="create_vm",
+            task_group=phase["provision"],
+            project_id=run["project_id"],
+            zone=run["zone"],
+            resource_id=run["vm_name"],
+            request_id=run["request_id"],
+            body=run["instance_body"],
+            lifetime_minutes=run["lifetime_minutes"],
+            reservation=run["reservation"],
+            max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
+            **capacity_reads(),
+            gcp_conn_id=GCP_CONN_ID,
+            retry_exponential_backoff=True,  # 5xx errors clear up over minutes
+        )
+        # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
+        # sensor's timeout only backs it up.
+        wait_for_ssh = VmSshReadySensor(
+            task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
+            **vm_connections,
+        )
+        creates = [create_vm]
+        hosts = {}
+
+        def vm_step(task_id: str, step: str, group: str, *, on_all_hosts: bool, **more) -> VmScriptOperator:
+            return VmScriptOperator(
+                task_id=task_id, step=step, spec=run["spec"], task_group=phase[group], **step_connections, **more
+            )
+
+    # 2. Install MaxText (on every host).
+    install_maxtext = vm_step("install_maxtext", "install", "provision", on_all_hosts=True)
 
     # The rehearsal: what the VM itself reaches (bucket, Hub), and the toy inputs it trains on.
     if rehearsal:
-        check_vm_access = VmScriptOperator(
-            task_id="check_vm_access", step="check_vm_access", spec=run["spec"], task_group=phase["provision"],
-            **step_connections,
-        )
-        prepare_rehearsal = VmScriptOperator(
-            task_id="prepare_rehearsal", step="prepare_rehearsal", spec=run["spec"], task_group=phase["provision"],
-            **step_connections,
-        )
+        check_vm_access = vm_step("check_vm_access", "check_vm_access", "provision", on_all_hosts=False)
+        prepare_rehearsal = vm_step("prepare_rehearsal", "prepare_rehearsal", "provision", on_all_hosts=False)
         rehearsal_steps = [check_vm_access, prepare_rehearsal]
     else:
         rehearsal_steps = []
 
-    # 3. Convert Hugging Face -> MaxText.
-    convert_checkpoint = VmScriptOperator(
-        task_id="convert_checkpoint", step="convert", spec=run["spec"], task_group=phase["train"], **step_connections
+    # 3. Convert Hugging Face -> MaxText (on host 0: the output location holds it for all).
+    convert_checkpoint = vm_step("convert_checkpoint", "convert", "train", on_all_hosts=False)
+
+    # 4. SFT: started detached (on every host: one JAX process each), then watched until the
+    # final checkpoint. The converted checkpoint's path (maybe another run's) goes in.
+    start_training = vm_step(
+        "start_training", "start_training", "train", on_all_hosts=True, results=convert_checkpoint.output
+    )
+    # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries); a
+    # slice's lost host fails the run (slice_hosts.py).
+    wait_for_final_checkpoint = (SliceTrainingSensor if tpu_slice else TrainingCheckpointSensor)(
+        task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **hosts, **step_connections
     )
 
-    # 4. SFT: started detached, then watched until the final checkpoint.
-    start_training = VmScriptOperator(
-        task_id="start_training",
-        task_group=phase["train"],
-        step="start_training",
-        spec=run["spec"],
-        results=convert_checkpoint.output,  # the converted checkpoint's path (maybe another run's)
-        **step_connections,
-    )
-    # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries).
-    wait_for_final_checkpoint = TrainingCheckpointSensor(
-        task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **step_connections
-    )
-
-    # 5. Convert MaxText -> Hugging Face; the model card and the run record go next to it.
-    export_to_hf = VmScriptOperator(
-        task_id="export_to_hf", step="export", spec=run["spec"], task_group=phase["export_and_publish"],
-        **step_connections,
-    )
+    # 5. Convert MaxText -> Hugging Face (on host 0); the model card and the run record go next to it.
+    export_to_hf = vm_step("export_to_hf", "export", "export_and_publish", on_all_hosts=False)
     collect_outputs = CollectOutputsOperator(
         task_id="collect_outputs",
         task_group=phase["export_and_publish"],
@@ -211,19 +261,37 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         export=export_to_hf.output,
         # A new model: DAGs scheduled on this Asset start (not on a rehearsal's toy).
         outlets=[] if rehearsal else [TUNED_MODEL],
+        **hosts,
         **vm_connections,
     )
 
-    # 6. Delete the VM in every outcome.
-    delete_vm = DeleteVmOperator(
-        task_id="delete_vm",
-        task_group=phase["clean_up"],
-        project_id=run["project_id"],
-        zone=run["zone"],
-        resource_id=run["vm_name"],
-        gcp_conn_id=GCP_CONN_ID,
-        retries=5,
-    ).as_teardown(setups=vm_lease)
+    # 6. Delete the VM in every outcome; a slice's group (with its hosts), then its template and
+    # policy, which Compute Engine keeps while a group uses them.
+    if tpu_slice:
+        delete_vm = DeleteSliceOperator(
+            task_id="delete_slice", task_group=phase["clean_up"], project_id=run["project_id"], zone=run["zone"],
+            resource_id=run["group_name"], gcp_conn_id=GCP_CONN_ID, retries=5,
+        ).as_teardown(setups=vm_lease)
+        delete_instance_template = DeleteInstanceTemplateOperator(
+            task_id="delete_instance_template", task_group=phase["clean_up"], project_id=run["project_id"],
+            resource_id=run["template_name"], gcp_conn_id=GCP_CONN_ID, retries=5,
+        ).as_teardown(setups=vm_lease)
+        delete_workload_policy = DeleteWorkloadPolicyOperator(
+            task_id="delete_workload_policy", task_group=phase["clean_up"], project_id=run["project_id"],
+            region=run["region"], name=run["policy_name"], gcp_conn_id=GCP_CONN_ID, retries=5,
+        ).as_teardown(setups=vm_lease)
+        deletes = [delete_vm, delete_instance_template, delete_workload_policy]
+    else:
+        delete_vm = DeleteVmOperator(
+            task_id="delete_vm",
+            task_group=phase["clean_up"],
+            project_id=run["project_id"],
+            zone=run["zone"],
+            resource_id=run["vm_name"],
+            gcp_conn_id=GCP_CONN_ID,
+            retries=5,
+        ).as_teardown(setups=vm_lease)
+        deletes = [delete_vm]
 
     # Publishing reads the export from storage (or the worker), so it need not hold the VM.
     publish_to_hub = PublishToHubOperator(
@@ -239,7 +307,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         run,
         checked,
         vm_lease,
-        create_vm,
+        *creates,
         wait_for_ssh,
         install_maxtext,
         *rehearsal_steps,
@@ -248,7 +316,7 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
         wait_for_final_checkpoint,
         export_to_hf,
         collect_outputs,
-        delete_vm,
+        *deletes,
     )
     collect_outputs >> publish_to_hub
 
@@ -275,5 +343,5 @@ def _add_fine_tune_tasks(rehearsal: bool) -> None:
     outcome = check_run_outcome.override(task_group=phase["clean_up"])(vm_delete_task=delete_vm.task_id).as_teardown(
         on_failure_fail_dagrun=True
     )
-    [delete_vm, publish_to_hub] >> summary >> outcome
-    [delete_vm, publish_to_hub] >> outcome
+    [deletes[-1], publish_to_hub] >> summary >> outcome
+    [deletes[-1], publish_to_hub] >> outcome

@@ -17,10 +17,17 @@ from maxtext_sft.spec import RunSpec, build_run_spec
 
 
 def plan_run(
-    context, *, gcp_conn_id: str, ssh_conn_id: str, hf_conn_id: str, rehearsal: bool = False
+    context,
+    *,
+    gcp_conn_id: str,
+    ssh_conn_id: str,
+    hf_conn_id: str,
+    rehearsal: bool = False,
+    tpu_slice: bool = False,
 ) -> dict[str, Any]:
-    """Return the spec and the create request's values; fail (without retries) on bad input.
-    `rehearsal`: the spec of a rehearsal (its Params, its CPU VM)."""
+    """Return the spec and the create requests' values; fail (without retries) on bad input.
+    `rehearsal`: the spec of a rehearsal (its Params, its CPU VM); `tpu_slice`: of a multi-host
+    slice (its Param, the policy, template and group that make it)."""
     from airflow.providers.ssh.hooks.ssh import SSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
 
     dag_run = context["dag_run"]
@@ -45,6 +52,7 @@ def plan_run(
             ssh_user=ssh.username or "",
             ssh_public_key=f"{ssh.pkey.get_name()} {ssh.pkey.get_base64()}",
             rehearsal=rehearsal,
+            tpu_slice=tpu_slice,
         )
         if spec.bucket_dataset:
             spec = list_bucket_dataset(spec, gcp_conn_id=gcp_conn_id, log=context["task"].log)
@@ -59,10 +67,26 @@ def plan_run(
         "vm_name": spec.vm_name,
         "request_id": spec.request_id,
         "instance_body": spec.instance_body(),
+        **(slice_requests(spec) if spec.is_slice else {}),
         "lifetime_minutes": spec.max_run_duration_minutes,
         # create_vm's capacity gate
         "reservation": spec.consumed_reservation,
         "max_capacity_wait_minutes": spec.max_capacity_wait_minutes,
+    }
+
+
+def slice_requests(spec: RunSpec) -> dict[str, Any]:
+    """The slice's create requests, for the provision tasks' templated fields."""
+    return {
+        "region": spec.region,
+        "hosts": spec.hosts,
+        "ready_timeout_seconds": spec.ssh_ready_timeout_seconds,
+        "policy_name": spec.policy_name,
+        "template_name": spec.template_name,
+        "group_name": spec.group_name,
+        "workload_policy_body": spec.workload_policy_body(),
+        "instance_template_body": spec.instance_template_body(),
+        "group_body": spec.group_body(),
     }
 
 

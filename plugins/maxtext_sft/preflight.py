@@ -140,13 +140,24 @@ def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capa
     count, in_use = reservation_counts(reservation)
     if spec.rehearsal:  # read only: the rehearsal's VM takes none of it
         return f"{where} exists and holds {machine_type} machines ({count - in_use} of {count} free; not used by the rehearsal)"
-    if in_use >= count and capacity_gate and spec.max_capacity_wait_minutes > 0:
+    needed = spec.hosts  # a slice's every host at once
+    if count < needed:
+        raise PreflightFailed(
+            f"{where} holds {count} {machine_type} machines; the {spec.tpu_slice} slice needs {needed}"
+        )
+    if count - in_use < needed and capacity_gate and spec.max_capacity_wait_minutes > 0:
+        if needed > 1:
+            return (
+                f"{where}: {in_use} of {count} {machine_type} machines in use; create_slice waits up to "
+                f"{spec.max_capacity_wait_minutes} minutes for {needed} to be free"
+            )
         return (
             f"{where}: all {count} {machine_type} machines in use; create_vm waits up to "
             f"{spec.max_capacity_wait_minutes} minutes for one"
         )
-    if in_use >= count:
-        raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use")
+    if count - in_use < needed:
+        also = f", the slice needs {needed}" if needed > 1 else ""
+        raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use{also}")
     return f"{where}: {count - in_use} of {count} {machine_type} free"
 
 

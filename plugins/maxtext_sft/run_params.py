@@ -18,7 +18,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Literal
 
-from maxtext_sft.catalog import BASE_MODELS, TPU_TOPOLOGIES
+from maxtext_sft.catalog import BASE_MODELS, TPU_SLICES, TPU_TOPOLOGIES
 
 # Patterns each string must match whole (checked with fullmatch; the form's schema gets an end
 # anchor that Python's re.search honours too, see `whole_value`).
@@ -324,9 +324,24 @@ REHEARSAL_PARAMS: tuple[Declared, ...] = (
 REHEARSAL_DEFAULTS: dict[str, Any] = {"steps": 3, "vm_hourly_price_usd": 0.27, "hub_branch": "rehearsal"}
 
 
-def all_params(rehearsal: bool = False) -> tuple[Declared, ...]:
-    """The Params of the fine-tune DAG, or of its rehearsal."""
-    return PARAMS + REHEARSAL_PARAMS if rehearsal else PARAMS
+# The slice DAG's own Param (fine_tune_dag(tpu_slice=True)): the multi-host slice it trains on,
+# one of the shapes Compute Engine documents (catalog.TPU_SLICES). Its hosts' machine type is the
+# slice's: the DAG's machine_type default is that type, and plan_run refuses another.
+SLICE_PARAMS: tuple[Declared, ...] = (
+    Declared("tpu_slice", "string", "v6e-16",
+             "The multi-host TPU slice to train on: its hosts (4 chips each) form one slice linked by ICI, "
+             "e.g. v6e-16 is 4 hosts of ct6e-standard-4t with topology 4x4. The reservation must hold that "
+             "many ct6e-standard-4t machines, and the Output location is required (checkpoints cannot live "
+             "on one host's memory).", VM, title="TPU slice", choices=sorted(TPU_SLICES, key=lambda s: int(s[4:])),
+             pattern=re.compile(r"^v6e-\d+$"), what="a multi-host v6e slice"),
+)
+# A host has half a v6e-8's chips: roughly half its price (the summary multiplies by the hosts).
+SLICE_DEFAULTS: dict[str, Any] = {"machine_type": "ct6e-standard-4t", "vm_hourly_price_usd": 10.0}
+
+
+def all_params(rehearsal: bool = False, tpu_slice: bool = False) -> tuple[Declared, ...]:
+    """The Params of the fine-tune DAG, of its rehearsal, or of its multi-host slice DAG."""
+    return PARAMS + (REHEARSAL_PARAMS if rehearsal else ()) + (SLICE_PARAMS if tpu_slice else ())
 
 
 def declared(table: Iterable[Declared] | None = None) -> dict[str, Declared]:

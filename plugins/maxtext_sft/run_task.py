@@ -15,17 +15,34 @@ from maxtext_sft.spec import RunSpec
 
 
 class RunTaskOperator(BaseOperator):
-    template_fields: Sequence[str] = ("spec",)
+    """On a multi-host slice, `hosts` is create_slice's XCom (the hosts in worker order): then
+    `run_spec` is host 0's spec (where a one-host step runs, whose output the others share), and
+    `host_specs` every host's."""
+
+    template_fields: Sequence[str] = ("spec", "hosts")
 
     def __init__(
-        self, *, spec, gcp_conn_id: str, ssh_conn_id: str | None = None, hf_conn_id: str | None = None, **kwargs
+        self,
+        *,
+        spec,
+        gcp_conn_id: str,
+        ssh_conn_id: str | None = None,
+        hf_conn_id: str | None = None,
+        hosts=None,
+        **kwargs,
     ):
         super().__init__(**kwargs)
         self.spec = spec
         self.gcp_conn_id = gcp_conn_id
         self.ssh_conn_id = ssh_conn_id
         self.hf_conn_id = hf_conn_id
+        self.hosts = hosts
+
+    @cached_property
+    def host_specs(self) -> list[RunSpec]:
+        spec = RunSpec.from_dict(self.spec)
+        return spec.on_hosts(self.hosts) if self.hosts else [spec]
 
     @cached_property
     def run_spec(self) -> RunSpec:
-        return RunSpec.from_dict(self.spec)
+        return self.host_specs[0]

@@ -18,8 +18,10 @@ from typing import Any
 
 from maxtext_sft.catalog import BASE_MODELS
 from maxtext_sft.compute_body import ComputeInstanceBody
+from maxtext_sft.catalog import TPU_SLICES
 from maxtext_sft.maxtext_args import MaxTextCommandLines, checkpoint_period_for, refuse_owned_keys
 from maxtext_sft.run_names import RunPaths, run_name_for, vm_name_for
+from maxtext_sft.slice_body import SliceBodies
 from maxtext_sft.run_params import (
     DATASET,
     DATE_TOKEN,
@@ -37,7 +39,7 @@ SSH_PUBLIC_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
+class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody, SliceBodies):
     """One DAG run's fine-tune: its identity, the names derived from it, and every declared Param,
     checked and resolved (the project filled in, the dataset pinned, the lifetime worked out).
 
@@ -57,6 +59,7 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
     # host's internal address in worker order. A single VM is worker 0 of ("localhost",).
     host_index: int = 0
     worker_hostnames: tuple[str, ...] = ()
+    host_id: str = ""  # the host's instance id when the slice formed: a re-created host has another
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when no field or property has the name: the declared Params.
@@ -91,7 +94,7 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody):
         """The spec `to_dict` made; a Param missing from it (declared since) takes its default."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
         as_read = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
-        table = declared(all_params(rehearsal="rehearsal_machine_type" in as_read))
+        table = declared(all_params(rehearsal="rehearsal_machine_type" in as_read, tpu_slice="tpu_slice" in as_read))
         params = {name: as_read.get(name, param.default) for name, param in table.items()}
         return cls(**{key: value for key, value in as_read.items() if key in fields}, params=params)
 
@@ -107,10 +110,13 @@ def build_run_spec(
     ssh_user: str,
     ssh_public_key: str,
     rehearsal: bool = False,
+    tpu_slice: bool = False,
 ) -> RunSpec:
-    """Check every Param (the rehearsal's too, with `rehearsal`) and derive the run's spec; raises
-    SpecError naming the first bad field."""
-    p = check_params(params, all_params(rehearsal))
+    """Check every Param (the rehearsal's or the slice's too, with `rehearsal` or `tpu_slice`) and
+    derive the run's spec; raises SpecError naming the first bad field."""
+    p = check_params(params, all_params(rehearsal, tpu_slice))
+    if tpu_slice:
+        _check_slice(p)
     p["project_id"] = p["project_id"] or default_project_id
     if not isinstance(p["project_id"], str) or not PROJECT_ID.fullmatch(p["project_id"]):
         raise SpecError(
@@ -140,7 +146,7 @@ def build_run_spec(
         raise SpecError(f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)")
     if not SSH_PUBLIC_KEY.fullmatch(ssh_public_key):
         raise SpecError("SSH connection: the private key does not give a usable public key")
-    return RunSpec(
+    spec = RunSpec(
         dag_id=dag_id,
         run_id=run_id,
         generation=generation,
@@ -152,6 +158,27 @@ def build_run_spec(
         dataset_files=(),
         params=p,
     )
+    if tpu_slice and (refusal := spec.check_slice_names()):
+        raise SpecError(f"Param 'vm_name_prefix': {refusal}", "vm_name_prefix")
+    return spec
+
+
+def _check_slice(p: Mapping[str, Any]) -> None:
+    """A slice's hosts are its shape's machine type, and its checkpoints live in storage: every
+    host writes its part of each one, and the export (on one host) reads them all."""
+    shape = TPU_SLICES[p["tpu_slice"]]
+    if p["machine_type"] != shape["machine_type"]:
+        raise SpecError(
+            f"Param 'machine_type': a {p['tpu_slice']} slice is made of {shape['machine_type']} hosts, "
+            f"not {p['machine_type']}",
+            "machine_type",
+        )
+    if not p["output_location"]:
+        raise SpecError(
+            f"Param 'output_location': a {p['tpu_slice']} slice needs one (gs://bucket/prefix): its "
+            f"{shape['hosts']} hosts write their parts of each checkpoint there, and none can hold them all",
+            "output_location",
+        )
 
 
 def _dataset_of_the_day(p: Mapping[str, Any], started: datetime) -> str:

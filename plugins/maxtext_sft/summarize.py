@@ -63,14 +63,26 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id:
         record=ti.xcom_pull(task_ids=tasks.outputs),
         published=ti.xcom_pull(task_ids=tasks.publish),
         # Without a spec plan_run failed: no VM existed, so no price is needed.
-        hourly_price_usd=spec.get("vm_hourly_price_usd") if spec else None,
+        hourly_price_usd=_hourly_price(spec),
         now=datetime.now(timezone.utc),
         tasks=tasks,
         recoveries=recovery_rows(recovery_ledger(spec, gcp_conn_id)),
         # When the VM came to be (after any wait for capacity): the instance create_vm returned.
-        instance_created_at=(ti.xcom_pull(task_ids=tasks.create_vm) or {}).get("creation_timestamp"),
+        # (A slice's create returns its hosts instead: the group's first start stands in.)
+        instance_created_at=_created_at(ti.xcom_pull(task_ids=tasks.create_vm)),
         rehearsal_checks=_rehearsal_checks(ti, states, spec, gcp_conn_id) if spec and RunSpec.from_dict(spec).rehearsal else None,
     )
+
+
+def _hourly_price(spec: dict | None) -> float | None:
+    """What the run's machines cost an hour: the VM's price, times a slice's hosts."""
+    if not spec or spec.get("vm_hourly_price_usd") is None:
+        return None
+    return spec["vm_hourly_price_usd"] * RunSpec.from_dict(spec).hosts
+
+
+def _created_at(created) -> str | None:
+    return created.get("creation_timestamp") if isinstance(created, dict) else None
 
 
 def _rehearsal_checks(ti, states: dict, spec: dict, gcp_conn_id: str) -> list[dict[str, str]]:

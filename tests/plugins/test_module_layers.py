@@ -19,7 +19,7 @@ PACKAGE = REPO / "plugins" / "maxtext_sft"
 LAYERS: list[tuple[str, set[str]]] = [
     ("the run's spec", {
         "catalog", "paths", "run_params", "params", "run_names", "rehearsal_kit", "maxtext_args", "compute_body",
-        "spec", "bake",
+        "spec", "bake", "slice_body",
     }),
     ("pure helpers", {
         "cloud_errors", "sizing", "snapshots", "loss_curve", "training_metrics", "outputs", "lineage", "rehearsal",
@@ -31,10 +31,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("the VM and the cloud", {
         "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
-        "task_links",
+        "task_links", "triggers.slice", "slice_hosts",
     }),
     ("tasks", {
-        "operators.compute", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",
+        "operators.compute", "operators.slice", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",
         "summarize", "outcome", "phase_timing", "samples", "janitor", "notifier",
     }),
     ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),

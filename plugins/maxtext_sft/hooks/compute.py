@@ -14,7 +14,6 @@ import time
 from functools import cached_property
 
 from google.api_core.client_options import ClientOptions
-from google.cloud.compute_v1.services.instances import InstancesClient
 from googleapiclient.discovery import build
 from googleapiclient.errors import HttpError
 
@@ -23,7 +22,6 @@ from airflow.providers.google.cloud.hooks.compute import (
     ComputeEngineHook,
     GceOperationStatus,
 )
-from airflow.providers.google.common.consts import CLIENT_INFO
 from maxtext_sft.cloud_errors import OperationFailed
 from maxtext_sft.hooks.endpoints import endpoint_override
 
@@ -45,6 +43,15 @@ def _metadata_value(resource: dict, key: str) -> str | None:
         if item.get("key") == key:
             return item.get("value", "")
     return None
+
+
+def endpoint_hook_for(operator) -> ComputeEngineEndpointHook:
+    """The hook for one of the provider's Compute Engine operators, from its own settings."""
+    return ComputeEngineEndpointHook(
+        gcp_conn_id=operator.gcp_conn_id,
+        api_version=operator.api_version,
+        impersonation_chain=operator.impersonation_chain,
+    )
 
 
 class ComputeEngineEndpointHook(ComputeEngineHook):
@@ -72,23 +79,29 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             )
         return self._conn
 
-    def get_compute_instance_client(self) -> InstancesClient:
-        if not self.compute_api_endpoint:
-            return super().get_compute_instance_client()
-        return InstancesClient(
-            credentials=self.get_credentials(),
-            client_info=CLIENT_INFO,
-            client_options=ClientOptions(api_endpoint=self.compute_api_endpoint[: -len(API_PATH)].rstrip("/")),
-        )
+    def get_client_options(self, api_endpoint_override: str | None = None) -> ClientOptions:
+        """The Cloud client libraries' options (the provider's instance, template and group
+        clients all take them): the endpoint's host root, when the connection sets one."""
+        if self.compute_api_endpoint and not api_endpoint_override:
+            api_endpoint_override = self.compute_api_endpoint[: -len(API_PATH)].rstrip("/")
+        return super().get_client_options(api_endpoint_override=api_endpoint_override)
 
-    def _wait_for_operation_to_complete(self, project_id: str, operation_name: str, zone: str | None = None) -> None:
+    def _wait_for_operation_to_complete(
+        self, project_id: str, operation_name: str, zone: str | None = None, region: str | None = None
+    ) -> None:
         """The provider's wait, polling the operation until DONE; a failed one raises
         OperationFailed, which carries the operation's `error.errors[]` (code and message of each)
         instead of only the provider's text of them, so callers classify data, not a string."""
         service = self.get_conn()
         while True:
             self.log.info("Waiting for Operation to complete...")
-            if zone is None:
+            if region is not None:  # the provider's hook reads no regional operations
+                operation = (
+                    service.regionOperations()
+                    .get(project=project_id, region=region, operation=operation_name)
+                    .execute(num_retries=self.num_retries)
+                )
+            elif zone is None:
                 operation = self._check_global_operation_status(
                     service=service, operation_name=operation_name, project_id=project_id, num_retries=self.num_retries
                 )
@@ -184,6 +197,48 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             .execute(num_retries=self.num_retries)
         )
         self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation["name"], zone=None)
+
+    # Workload policies and a group's hosts (the provider's hook has neither): the discovery
+    # client, REST JSON.
+
+    def insert_resource_policy(self, body: dict, region: str, project_id: str, request_id: str | None = None) -> None:
+        """resourcePolicies.insert, then its regional operation until DONE (OperationFailed if it failed)."""
+        operation = (
+            self.get_conn()
+            .resourcePolicies()
+            .insert(project=project_id, region=region, body=body, requestId=request_id)
+            .execute(num_retries=self.num_retries)
+        )
+        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation["name"], region=region)
+
+    def get_resource_policy(self, name: str, region: str, project_id: str) -> dict | None:
+        return self._unless_missing(
+            self.get_conn().resourcePolicies().get(project=project_id, region=region, resourcePolicy=name)
+        )
+
+    def delete_resource_policy(self, name: str, region: str, project_id: str) -> bool:
+        """Delete the policy and wait for it; False when there was none."""
+        operation = self._unless_missing(
+            self.get_conn().resourcePolicies().delete(project=project_id, region=region, resourcePolicy=name)
+        )
+        if operation is None:
+            return False
+        self._wait_for_operation_to_complete(project_id=project_id, operation_name=operation["name"], region=region)
+        return True
+
+    def list_managed_instances(self, group: str, zone: str, project_id: str) -> list[dict] | None:
+        """The group's managed instances (all pages: name, currentAction, instanceStatus,
+        lastAttempt), or None when the zone has no such group."""
+        managers = self.get_conn().instanceGroupManagers()
+        request = managers.listManagedInstances(project=project_id, zone=zone, instanceGroupManager=group)
+        found: list[dict] = []
+        while request is not None:
+            page = self._unless_missing(request)
+            if page is None:
+                return None
+            found.extend(page.get("managedInstances", []))
+            request = managers.listManagedInstances_next(request, page)
+        return found
 
     def _unless_missing(self, request) -> dict | None:
         """Execute a discovery-client request; None when the API answers 404."""

@@ -25,7 +25,7 @@ from airflow.providers.google.cloud.operators.compute import (
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, endpoint_hook_for
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.task_links import VmConsoleLink
 from maxtext_sft.triggers.capacity import (
@@ -33,14 +33,6 @@ from maxtext_sft.triggers.capacity import (
     CAPACITY_POLL_SECONDS,
     ReservationCapacityTrigger,
 )
-
-
-def _hook(operator) -> ComputeEngineEndpointHook:
-    return ComputeEngineEndpointHook(
-        gcp_conn_id=operator.gcp_conn_id,
-        api_version=operator.api_version,
-        impersonation_chain=operator.impersonation_chain,
-    )
 
 
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
@@ -126,7 +118,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self._validate_inputs()
         self._validate_all_body_fields()
         self.check_body_fields()
-        hook = _hook(self)
+        hook = endpoint_hook_for(self)
         where = {"resource_id": self.resource_id, "project_id": self.project_id, "zone": self.zone}
         existing = adoptable_instance(hook, where, self.log)
         if existing is not None:
@@ -206,7 +198,7 @@ class DeleteVmOperator(ComputeEngineDeleteInstanceOperator):
 
     def execute(self, context) -> None:
         self._validate_inputs()
-        hook = _hook(self)
+        hook = endpoint_hook_for(self)
         try:
             hook.get_instance(resource_id=self.resource_id, project_id=self.project_id, zone=self.zone)
             self.log.info("Deleting instance %s", self.resource_id)
@@ -233,7 +225,7 @@ class StopVmOperator(ComputeEngineStopInstanceOperator):
 
     def execute(self, context) -> None:
         self._validate_inputs()
-        _hook(self).stop_instance(zone=self.zone, resource_id=self.resource_id, project_id=self.project_id)
+        endpoint_hook_for(self).stop_instance(zone=self.zone, resource_id=self.resource_id, project_id=self.project_id)
         self.log.info("Instance %s is stopped", self.resource_id)
 
 

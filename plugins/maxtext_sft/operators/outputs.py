@@ -53,7 +53,7 @@ class CollectOutputsOperator(RunTaskOperator):
     the VM, which is still alive here, or from its copy in storage. Returns the run record
     (locations, final step and loss, loss history, base and tuned eval loss)."""
 
-    template_fields: Sequence[str] = ("spec", "training", "base_checkpoint", "export")
+    template_fields: Sequence[str] = ("spec", "hosts", "training", "base_checkpoint", "export")
     operator_extra_links = (RunFolderConsoleLink(),)  # from the run record this task returns
 
     def __init__(self, *, training, base_checkpoint, export, ssh_conn_id: str, **kwargs):

@@ -10,6 +10,8 @@ from maxtext_sft.hooks.storage import StorageEndpointHook
 from maxtext_sft.instances import LIVE_STATUSES
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
+from maxtext_sft.slice_hosts import HostLog, check_hosts_running, on_every_host
+from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import run_vm_step, run_vm_steps
 from maxtext_sft.vm_remake import VmRemake
 from maxtext_sft.vm_steps import STEPS, steps_before
@@ -29,7 +31,7 @@ class VmScriptOperator(RunTaskOperator):
     steps this one needs on it (vm_steps.steps_before; each is safe to run twice), then its own.
     """
 
-    template_fields: Sequence[str] = ("spec", "results")
+    template_fields: Sequence[str] = ("spec", "hosts", "results")
     ui_color = "#e8f4ea"
 
     def __init__(
@@ -128,3 +130,25 @@ class VmScriptOperator(RunTaskOperator):
             gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, hf_conn_id=self.hf_conn_id, log=self.log,
         )
         return reported
+
+
+class SliceScriptOperator(VmScriptOperator):
+    """Run `step`'s script on every host of the slice at once (`on_all_hosts`), or on host 0;
+    every host must be RUNNING. Returns host 0's results."""
+
+    def __init__(self, *, on_all_hosts: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.on_all_hosts = on_all_hosts
+
+    def execute(self, context) -> dict[str, str] | None:
+        specs = self.host_specs if self.on_all_hosts else self.host_specs[:1]
+        check_hosts_running(specs, self.gcp_conn_id)
+        results = dict(self.results or {})
+
+        def run(spec: RunSpec):
+            return run_vm_step(
+                self.step, spec, results, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id,
+                hf_conn_id=self.hf_conn_id, log=HostLog(self.log, spec.vm_name),
+            )
+
+        return on_every_host(specs, run, self.step)[0]

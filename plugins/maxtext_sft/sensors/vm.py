@@ -16,6 +16,7 @@ from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.loss_curve import STEP_LINE, final_loss_text
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.sizing import prunable_steps
+from maxtext_sft.slice_hosts import NOT_RECOVERED, HostLog, check_hosts_running, on_every_host
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import (
     HostKeysNotPublished,
@@ -395,3 +396,76 @@ def _number(text: str | None) -> float | int | None:
         return int(text)
     except ValueError:
         return float(text)
+
+
+class SliceSshReadySensor(VmSshReadySensor):
+    """Wait until every host accepts the pipeline's SSH login, then start each one's autostop."""
+
+    _ready: set[str] | None = None
+
+    def poke(self, context) -> bool:
+        specs = self.host_specs
+        check_hosts_running(specs, self.gcp_conn_id)
+        if self._ready is None:
+            self._ready, self._probes, self._waiting_since = set(), {}, time.monotonic()
+        for spec in specs:
+            if spec.vm_name in self._ready:
+                continue
+            log = HostLog(self.log, spec.vm_name)
+            probe = self._probes.setdefault(spec.vm_name, SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, log))
+            if probe():
+                start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, log)
+                self._ready.add(spec.vm_name)
+        waiting = [spec for spec in specs if spec.vm_name not in self._ready]
+        if not waiting:
+            return True
+        waited = time.monotonic() - self._waiting_since
+        if waited >= self.run_spec.ssh_ready_timeout_seconds:
+            raise AirflowFailException(
+                "; ".join(self._probes[spec.vm_name].unreachable_reason(waited) for spec in waiting)
+            )
+        self.log.info("%d of %d hosts answer SSH", len(specs) - len(waiting), len(specs))
+        return False
+
+
+class SliceTrainingSensor(TrainingCheckpointSensor):
+    """Wait for the final checkpoint as on one VM, watching host 0 (its log, its loss, the commit
+    marker in storage), and every other host's training process: one that died, or a host gone,
+    fails the run at once, naming the host and the end of its log."""
+
+    def poke(self, context):
+        others = self.host_specs[1:]
+        check_hosts_running(self.host_specs, self.gcp_conn_id)
+        on_every_host(others, self._check_worker, "training") if others else None
+        return super().poke(context)
+
+    def _check_worker(self, spec: RunSpec) -> None:
+        output: list[str] = []
+        try:
+            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
+            with hook.get_conn():
+                hook.upload_scripts(script_files())
+                hook.run_command(
+                    remote_command("training_status", spec),
+                    timeout=STEPS["training_status"].timeout_seconds(spec),
+                    on_line=output.append,
+                )
+        except (HostKeysNotPublished, *transient_ssh_errors()) as error:
+            # Host 0's stall check still runs: a silent worker stops every host's steps.
+            self.log.warning("Could not check training on host %s this time: %s", spec.vm_name, error)
+            return
+        status = next((m.group(1) for line in reversed(output) if (m := STATUS_LINE.match(line))), None)
+        if status is None:
+            return
+        fields = dict(item.split("=", 1) for item in status.split())
+        if fields.get("reason") == "no-training-started":
+            raise AirflowFailException(f"No training was ever started on host {spec.vm_name}")
+        if fields.get("state") == "exited" and fields.get("exit_code") != "0":
+            lines = [line for line in output if not STATUS_LINE.match(line)]
+            raise AirflowFailException(
+                f"Training {spec.run_name} {_exit_text(fields.get('exit_code'))} on host {spec.host_index} "
+                f"({spec.vm_name}); last log lines:\n" + "\n".join(lines[_tail_start(lines):])
+            )
+
+    def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
+        raise AirflowFailException(f"{reason}: {NOT_RECOVERED}")

@@ -49,7 +49,7 @@ def epoch_seconds(moment: float | int | str | datetime) -> float:
 
 
 class ReservationCapacityTrigger(BaseTrigger):
-    """Poll reservations.get until `count - inUseCount >= 1`, or until `deadline`.
+    """Poll reservations.get until `count - inUseCount >= needed` (1, or a slice's hosts), or until `deadline`.
 
     It is deferred to right after someone found the reservation full (the operator's own read,
     or the cloud refusing an insert), so its first read waits `first_read_after` (default
@@ -69,8 +69,10 @@ class ReservationCapacityTrigger(BaseTrigger):
         poll_interval: float = 60,
         impersonation_chain: str | Sequence[str] | None = None,
         first_read_after: float | None = None,
+        needed: int = 1,
     ):
         super().__init__()
+        self.needed = int(needed)  # machines that must be free at once: a slice's every host
         self.project_id = project_id
         self.zone = zone
         self.reservation = reservation
@@ -93,6 +95,7 @@ class ReservationCapacityTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "impersonation_chain": self.impersonation_chain,
                 "first_read_after": self.first_read_after,
+                "needed": self.needed,
             },
         )
 
@@ -125,7 +128,7 @@ class ReservationCapacityTrigger(BaseTrigger):
                     yield TriggerEvent({"status": "error", "message": f"{where} does not exist", "deadline": self.deadline})
                     return
                 count, in_use = last_read = capacity
-                if count - in_use >= 1:
+                if count - in_use >= self.needed:
                     yield TriggerEvent(
                         {
                             "status": "free",
@@ -136,7 +139,7 @@ class ReservationCapacityTrigger(BaseTrigger):
                         }
                     )
                     return
-                self.log.info("%s: %d of %d machines in use; waiting for one to be free", where, in_use, count)
+                self.log.info("%s: %d of %d machines in use; waiting for %d to be free", where, in_use, count, self.needed)
             if time.time() >= self.deadline:
                 if last_read is None:  # not one read worked: the last failure is the news
                     yield TriggerEvent({"status": "error", "message": failure, "deadline": self.deadline})
