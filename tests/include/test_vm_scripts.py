@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -277,6 +278,39 @@ def test_start_training_refuses_a_wrong_place_in_the_slice(env_probe, host_index
     result = vm.run("start_training", check=False)
     assert result.returncode == 2 and f"start_training.sh: {error}" in result.stderr, result.stderr
     assert not (vm.home / "maxtext-sft-runs").exists()  # nothing started, nothing written
+
+
+def test_start_training_on_every_host_of_a_slice_forms_one_training(tmp_path, image_venv):
+    """Four hosts over loopback, each with its own home; their MaxText stand-ins find each other
+    from the environment start_training.sh exports (the coordinator at a free port here)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = tuple(f"127.0.0.{i + 1}" for i in range(4))
+    vms = [Vm(tmp_path / f"host{i}", image_venv, {}, env={"JAX_COORDINATOR_PORT": str(port)}) for i in range(4)]
+    for i, vm in enumerate(vms):
+        vm.shm = tmp_path / "shm"  # one checkpoint folder for all (a real slice's is in storage)
+        on_slice_host(vm, i, hosts)
+    vms[0].run("convert")
+    try:
+        for vm in vms:
+            assert "Started training" in vm.run("start_training").stdout
+        for vm in vms:
+            fields, seen = vm.wait_for_training()
+            assert fields["state"] == "succeeded" and fields["last_step"] == "12", seen
+    finally:
+        for vm in vms:
+            pid_file = vm.home / "maxtext-sft-runs" / vm.spec.run_name / "pid"
+            if pid_file.exists():
+                try:
+                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    logs = [(vm.home / "maxtext-sft-runs" / vm.spec.run_name / "train.log").read_text() for vm in vms]
+    assert f"Starting JAX distributed service on 127.0.0.1:{port}" in logs[0]
+    assert all(f"Connecting to JAX distributed service on 127.0.0.1:{port}" in log for log in logs)
+    final = vms[0].path(vms[0].spec.final_checkpoint_path)
+    assert sorted(p.name for p in final.glob("ocdbt.process_*")) == [f"ocdbt.process_{i}" for i in range(4)]
 
 
 def run_script(vm, script: str, *args: str) -> subprocess.CompletedProcess:
