@@ -14,7 +14,9 @@ tries before GceTpuCluster; jax/_src/distributed.py, jax/_src/clusters/cluster.p
 JAX would read the MEGASCALE_* keys from the metadata server's tpu-env when they are not in the
 environment; the local cloud has no metadata server, so the stand-in reads the environment only.
 One process (a single VM) forms no cluster: the stand-in then runs exactly as it always did (real
-JAX would still start a one-process coordination service).
+JAX would still start a one-process coordination service). skip_jax_distributed_system=true keeps
+every process on its own, as in MaxText; MaxText's other reasons to skip the call
+(enable_checkpointing=false, enable_single_controller, ...) are not imitated.
 
 Process 0 runs the coordination service, here a TCP server of newline-delimited JSON messages; it
 binds the coordinator's own address (JAX binds [::]:PORT unless JAX_COORDINATOR_BIND_ADDRESS says
