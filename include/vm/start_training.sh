@@ -8,7 +8,24 @@
 # loss_history.sh thins them) are copied to STEP_LINES_URI and the metrics file to METRICS_URI
 # (gs://..., or "" for none) before the exit code is written: the final loss, the loss history
 # and the eval results then outlive a VM that stops itself, or is lost, after the training ended.
-# Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS STEP_LINES_URI METRICS_URI [MAXTEXT_ARG...]
+#
+# On a multi-host TPU slice this script runs on every host, each with its own WORKER_ID; the
+# hosts' trainings form one multi-controller JAX run (MaxText calls jax.distributed.initialize()
+# with no arguments on TPU, so JAX finds its place from the environment set here):
+#   TPU_WORKER_ID, TPU_WORKER_HOSTNAMES  JAX's GkeTpuCluster (jax/_src/clusters/cloud_tpu_cluster.py,
+#       checked before GceTpuCluster) takes the process id and the process count from them, and the
+#       first host as the coordinator; TPU_SKIP_MDS_QUERY=1 makes GceTpuCluster, which would read
+#       agent-worker-number and worker-network-endpoints from the metadata server, stand aside.
+#   JAX_COORDINATOR_ADDRESS  the first host at port JAX_COORDINATOR_PORT (default 8482, the port
+#       cloud_tpu_cluster.py uses): jax.distributed.initialize reads it (jax/_src/distributed.py), so
+#       no MEGASCALE_COORDINATOR_ADDRESS from the metadata server's tpu-env can move the coordinator.
+#   TPU_HOST_BOUNDS, TPU_CHIPS_PER_HOST_BOUNDS, TPU_TOPOLOGY, TPU_ACCELERATOR_TYPE  the slice's shape,
+#       as the tutorial sets them for one host.
+# Every host must reach the first one on that port. A single VM (WORKER_HOSTNAMES "localhost",
+# HOST_BOUNDS 1,1,1, WORKER_ID 0) gets the tutorial's environment and no coordinator address.
+# Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS HOST_BOUNDS
+#            WORKER_ID WORKER_HOSTNAMES STEP_LINES_URI METRICS_URI [MAXTEXT_ARG...]
+#        WORKER_HOSTNAMES: every host's address (host name or IPv4), comma-separated, in worker order
 #        (HF token on stdin or in HF_TOKEN)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -18,9 +35,30 @@ run_name=$2
 accelerator_type=$3
 topology=$4
 chips_per_host_bounds=$5
-step_lines_uri=$6
-metrics_uri=$7
-shift 7
+host_bounds=$6
+worker_id=$7
+worker_hostnames=$8
+step_lines_uri=$9
+metrics_uri=${10}
+shift 10
+
+# The host's place in the slice, checked before anything starts: a wrong one would only show as
+# a slice that never forms (every host waiting for the coordinator until JAX's timeout).
+fail_usage() {
+  echo "start_training.sh: $1" >&2
+  exit 2
+}
+host='[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?'
+[[ $worker_hostnames =~ ^$host(,$host)*$ ]] ||
+  fail_usage "WORKER_HOSTNAMES must be host names or IPv4 addresses separated by commas, got '$worker_hostnames'"
+IFS=, read -r -a hosts <<<"$worker_hostnames"
+[[ $worker_id =~ ^(0|[1-9][0-9]{0,5})$ ]] && [ "$worker_id" -lt "${#hosts[@]}" ] ||
+  fail_usage "WORKER_ID must be a number below the number of hosts in WORKER_HOSTNAMES (${#hosts[@]}), got '$worker_id'"
+[[ $host_bounds =~ ^([1-9][0-9]{0,3}),([1-9][0-9]{0,3}),([1-9][0-9]{0,3})$ ]] ||
+  fail_usage "HOST_BOUNDS must be three numbers like 2,2,1, got '$host_bounds'"
+slice_hosts=$((BASH_REMATCH[1] * BASH_REMATCH[2] * BASH_REMATCH[3]))
+[ "$slice_hosts" -eq "${#hosts[@]}" ] ||
+  fail_usage "HOST_BOUNDS $host_bounds spans $slice_hosts hosts, but WORKER_HOSTNAMES names ${#hosts[@]}"
 read_hf_token
 job_dir="$work_dir/maxtext-sft-runs/$run_name"
 mkdir -p "$job_dir"
@@ -36,9 +74,12 @@ fi
 rm -f "$job_dir/exit_code" "$job_dir/progress"
 activate_maxtext_venv "$work_dir"
 
-export TPU_ACCELERATOR_TYPE="$accelerator_type" TPU_WORKER_ID=0 TPU_NAME="$(hostname)"
-export TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost TPU_TOPOLOGY="$topology"
-export TPU_CHIPS_PER_HOST_BOUNDS="$chips_per_host_bounds" TPU_HOST_BOUNDS=1,1,1
+export TPU_ACCELERATOR_TYPE="$accelerator_type" TPU_WORKER_ID="$worker_id" TPU_NAME="$(hostname)"
+export TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES="$worker_hostnames" TPU_TOPOLOGY="$topology"
+export TPU_CHIPS_PER_HOST_BOUNDS="$chips_per_host_bounds" TPU_HOST_BOUNDS="$host_bounds"
+if [ "${#hosts[@]}" -gt 1 ]; then
+  export JAX_COORDINATOR_ADDRESS="${hosts[0]}:${JAX_COORDINATOR_PORT:-8482}"
+fi
 # The exit code is written via a rename, so a reader never sees a half-written file.
 # shellcheck disable=SC2016
 setsid nohup bash -c '

@@ -85,6 +85,10 @@ STEPS: dict[str, VmStep] = {
             s.tpu["accelerator_type"],
             s.tpu["topology"],
             s.tpu["chips_per_host_bounds"],
+            # The host's place in the slice: its worker id and every host's address, in worker order.
+            s.tpu["host_bounds"],
+            str(s.host_index),
+            ",".join(s.worker_hostnames) or "localhost",
             s.training_steps_uri or "",
             s.training_metrics_uri or "",
             # "resuming": set by a VM recovery (sensors/vm.py), not by the DAG's start_training.

@@ -6,11 +6,13 @@ into a temp dir. Each script must be runnable by hand and safe to run twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -28,6 +30,7 @@ from maxtext_sft.outputs import check_export_folder
 from maxtext_sft.spec import build_run_spec
 from maxtext_sft.training_metrics import parse_metrics
 from maxtext_sft.vm_steps import STEPS, vm_scripts_dir
+from tests.conftest import poll
 from tests.plugins.test_outputs import SHARDS, write_export
 
 TOKEN = "hf_script_test_token_42"
@@ -197,6 +200,117 @@ def test_exit_zero_before_the_final_step_is_a_failure(vm):
     assert fields["state"] == "failed", seen
     assert fields["out_of_data"] == "yes"
     assert "run out of training data" in seen
+
+
+@pytest.fixture
+def env_probe(tmp_path):
+    """A VM whose MaxText venv's python3 prints the TPU_* and JAX_* environment it was started with
+    (into train.log) and exits 0; returns the Vm and a reader of that environment once the
+    detached training has exited."""
+    venv = tmp_path / "probe_venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'PATH="{venv}/bin:$PATH"\n')
+    python = venv / "bin" / "python3"
+    python.write_text("#!/bin/bash\nenv | grep -E '^(TPU|JAX|MEGASCALE)_' | sort\n")
+    python.chmod(0o755)
+    vm = Vm(tmp_path, venv, {})
+
+    def started_env() -> dict[str, str]:
+        job_dir = vm.home / "maxtext-sft-runs" / vm.spec.run_name
+        poll(lambda: (job_dir / "exit_code").exists(), 30, "the probe's exit code")
+        lines = (job_dir / "train.log").read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    return vm, started_env
+
+
+SLICE_HOSTS = ("10.128.0.11", "10.128.0.12", "10.128.0.13", "10.128.0.14")
+
+
+def on_slice_host(vm, host_index: int, hosts: tuple[str, ...] = SLICE_HOSTS, tpu_slice: str = "v6e-16") -> None:
+    """Make the VM's spec one host's of a multi-host slice (the plan's fields for that host)."""
+    vm.spec = dataclasses.replace(vm.spec, params={**vm.spec.params, "tpu_slice": tpu_slice}, host_index=host_index,
+                                  worker_hostnames=hosts)
+
+
+def test_start_training_on_a_single_vm_exports_the_tutorials_environment(env_probe):
+    vm, started_env = env_probe
+    vm.run("start_training")
+    env = started_env()
+    assert env.pop("TPU_NAME")  # the VM's host name
+    assert env == {
+        "TPU_ACCELERATOR_TYPE": "v6e-8", "TPU_TOPOLOGY": "2x4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1",
+        "TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "1",
+    }  # no coordinator address: a single process
+
+
+@pytest.mark.parametrize("host_index", [0, 2])
+def test_start_training_on_a_slice_host_exports_its_place_in_the_slice(env_probe, host_index):
+    vm, started_env = env_probe
+    on_slice_host(vm, host_index)
+    vm.run("start_training")
+    env = started_env()
+    assert env["TPU_WORKER_ID"] == str(host_index)
+    assert env["TPU_WORKER_HOSTNAMES"] == ",".join(SLICE_HOSTS)
+    assert (env["TPU_HOST_BOUNDS"], env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"]) == ("2,2,1", "4x4", "2,2,1")
+    assert env["TPU_ACCELERATOR_TYPE"] == "v6e-16" and env["TPU_SKIP_MDS_QUERY"] == "1"
+    # Every host names the first as JAX's coordinator, at the port JAX's Cloud TPU cluster uses.
+    assert env["JAX_COORDINATOR_ADDRESS"] == "10.128.0.11:8482"
+    assert not any(name.startswith("MEGASCALE_") for name in env)
+
+
+@pytest.mark.parametrize(
+    ("host_index", "hosts", "tpu_slice", "error"),
+    [
+        (4, SLICE_HOSTS, "v6e-16", "WORKER_ID must be a number below the number of hosts in WORKER_HOSTNAMES (4), got '4'"),
+        (-1, SLICE_HOSTS, "v6e-16", "WORKER_ID must be a number below the number of hosts in WORKER_HOSTNAMES (4), got '-1'"),
+        (0, ("10.128.0.11", "10.128.0.12;touch x", "a", "b"), "v6e-16",
+         "WORKER_HOSTNAMES must be host names or IPv4 addresses separated by commas, got '10.128.0.11,10.128.0.12;touch x,a,b'"),
+        (0, ("10.128.0.11", "", "a", "b"), "v6e-16", "WORKER_HOSTNAMES must be host names or IPv4 addresses"),
+        (1, SLICE_HOSTS[:2], "v6e-16", "HOST_BOUNDS 2,2,1 spans 4 hosts, but WORKER_HOSTNAMES names 2"),
+    ],
+    ids=["id-too-high", "negative-id", "hostile-host", "empty-host", "bounds-mismatch"],
+)
+def test_start_training_refuses_a_wrong_place_in_the_slice(env_probe, host_index, hosts, tpu_slice, error):
+    vm, _ = env_probe
+    on_slice_host(vm, host_index, hosts, tpu_slice)
+    result = vm.run("start_training", check=False)
+    assert result.returncode == 2 and f"start_training.sh: {error}" in result.stderr, result.stderr
+    assert not (vm.home / "maxtext-sft-runs").exists()  # nothing started, nothing written
+
+
+def test_start_training_on_every_host_of_a_slice_forms_one_training(tmp_path, image_venv):
+    """Four hosts over loopback, each with its own home; their MaxText stand-ins find each other
+    from the environment start_training.sh exports (the coordinator at a free port here)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = tuple(f"127.0.0.{i + 1}" for i in range(4))
+    vms = [Vm(tmp_path / f"host{i}", image_venv, {}, env={"JAX_COORDINATOR_PORT": str(port)}) for i in range(4)]
+    for i, vm in enumerate(vms):
+        vm.shm = tmp_path / "shm"  # one checkpoint folder for all (a real slice's is in storage)
+        on_slice_host(vm, i, hosts)
+    vms[0].run("convert")
+    try:
+        for vm in vms:
+            assert "Started training" in vm.run("start_training").stdout
+        for vm in vms:
+            fields, seen = vm.wait_for_training()
+            assert fields["state"] == "succeeded" and fields["last_step"] == "12", seen
+    finally:
+        for vm in vms:
+            pid_file = vm.home / "maxtext-sft-runs" / vm.spec.run_name / "pid"
+            if pid_file.exists():
+                try:
+                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    logs = [(vm.home / "maxtext-sft-runs" / vm.spec.run_name / "train.log").read_text() for vm in vms]
+    assert f"Starting JAX distributed service on 127.0.0.1:{port}" in logs[0]
+    assert all(f"Connecting to JAX distributed service on 127.0.0.1:{port}" in log for log in logs)
+    final = vms[0].path(vms[0].spec.final_checkpoint_path)
+    assert sorted(p.name for p in final.glob("ocdbt.process_*")) == [f"ocdbt.process_{i}" for i in range(4)]
 
 
 def run_script(vm, script: str, *args: str) -> subprocess.CompletedProcess:

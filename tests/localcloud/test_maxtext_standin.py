@@ -6,6 +6,8 @@ import os
 import re
 import selectors
 import shlex
+import signal
+import socket
 import struct
 import subprocess
 import time
@@ -279,8 +281,14 @@ def test_converter_fail_faults(mt):
     assert result.returncode == 1 and "RuntimeError: disk on fire" in result.stderr
 
 
-def test_malformed_fault_file_fails_loudly(mt):
-    result = mt(TO_MAXTEXT, faults={"train_sft": {"crash_at_stpe": 3}}, hf_token=TOKEN)
+@pytest.mark.parametrize("faults", [
+    {"train_sft": {"crash_at_stpe": 3}},
+    {"train_sft": {"kill_host_at_step": {"host": "2", "step": 3}}},
+    {"train_sft": {"kill_host_at_step": {"host": 2}}},
+    {"heartbeat_timeout_seconds": 0},
+], ids=["typo", "kill-host-not-a-number", "kill-host-without-step", "no-heartbeat-timeout"])
+def test_malformed_fault_file_fails_loudly(mt, faults):
+    result = mt(TO_MAXTEXT, faults=faults, hf_token=TOKEN)
     assert result.returncode == 1 and "bad fault file" in result.stderr
 
 
@@ -428,3 +436,180 @@ def test_a_partial_checkpoint_is_not_resumed(mt, gcs, where):
     assert "Restored params from step: 5 in" in resumed.stderr
     assert steps_logged(resumed.stderr) == list(range(6, 13))
     assert committed() == [1, 5, 10, 12]
+
+
+# ----- a multi-host slice: one stand-in process per host, over loopback ----------------------------
+
+HEARTBEAT = 1  # seconds: the slices' JAX heartbeat timeout here (the fault file's knob; JAX's is 100)
+TERMINATING = "client.h:80] Terminating process because the JAX distributed service detected fatal errors."
+UNHEALTHY = ("absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n{task}\n"
+             "The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. "
+             "preemption, eviction) to debug further.\n\nRPC: /tensorflow.CoordinationService/PollForError "
+             "[type.googleapis.com/tensorflow.CoordinationServiceError='']")
+LEADER_GONE = ("absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was "
+               "preempted/died/restarted unexpectedly or this task is experiencing network issues.")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def slice_run(tmp_path, venv_python):
+    """Starts a train_sft command on an n-host slice over loopback: one process per host, with the
+    environment start_training.sh gives each host (the coordinator at a free port), its own log
+    (stderr) and metrics file. Returns the hosts; every process still running is killed after."""
+    started = []
+
+    def start(hosts, command, faults=None, env_extra=None, only=None):
+        fault_file = tmp_path / "slice-faults.json"
+        fault_file.write_text(json.dumps({"seconds_per_step": FAST, **(faults or {})}))
+        addresses = ",".join(f"127.0.0.{i + 1}" for i in range(hosts))
+        port = free_port()
+        run = []
+        for i in range(hosts) if only is None else only:
+            log = tmp_path / f"host{i}-{uuid.uuid4().hex[:6]}.log"
+            metrics = log.with_suffix(".metrics.jsonl")
+            argv = shlex.split(command.replace("/dev/shm/gemma3-4b", str(tmp_path)) + f" metrics_file={metrics}")
+            argv[0] = str(venv_python)
+            env = {key: value for key, value in os.environ.items()
+                   if key not in ("HF_TOKEN", "PYTHONPATH", "VIRTUAL_ENV", "STORAGE_EMULATOR_HOST")}
+            env.update({"MAXTEXT_STANDIN_FAULTS": str(fault_file), "TPU_WORKER_HOSTNAMES": addresses,
+                        "TPU_WORKER_ID": str(i), "TPU_SKIP_MDS_QUERY": "1", "JAX_COORDINATOR_PORT": str(port),
+                        **(env_extra or {})})
+            with log.open("w") as stderr:
+                proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+            started.append(proc)
+            run.append(SimpleNamespace(proc=proc, log=log, metrics=metrics))
+        return run
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def storage_writes(gcs, prefix):
+    """Names of the objects written under `prefix` in the test's bucket, in the order written."""
+    return [r["query"]["name"] for r in gcs.cloud.storage_requests()
+            if r["method"] == "POST" and f"/b/{gcs.bucket}/o" in r["path"]
+            and r["query"].get("name", "").startswith(prefix)]
+
+
+def parts(gcs, step):
+    """The processes whose part of every item of checkpoint `step` is in storage."""
+    objects = set(names(gcs, f"post-train/R/checkpoints/{step}/"))
+    return sorted(i for i in range(8) if all(
+        f"post-train/R/checkpoints/{step}/{item}/{rel}" in objects for item in ("model_params", "optimizer_state")
+        for rel in (f"ocdbt.process_{i}/manifest.ocdbt", f"array_metadatas/process_{i}")))
+
+
+def test_a_slice_trains_as_one_run_and_commits_a_step_once_every_host_wrote_its_part(mt, gcs, slice_run):
+    assert mt(on_gcs(TO_MAXTEXT, gcs.bucket), hf_token=TOKEN, env_extra=gcs.env).returncode == 0
+    hosts = slice_run(4, on_gcs(TRAIN_SFT, gcs.bucket).replace("steps=1000", "steps=6 checkpoint_period=2"),
+                      env_extra=gcs.env)
+    for host in hosts:
+        assert host.proc.wait(timeout=60) == 0, host.log.read_text()
+    logs = [host.log.read_text() for host in hosts]
+    assert [("Starting JAX distributed service on 127.0.0.1:" in log) for log in logs] == [True, False, False, False]
+    assert all("Jax distributed system initialized!" in log for log in logs)
+    for host, log in zip(hosts, logs):  # MaxText logs and writes its metrics file on every host
+        assert steps_logged(log) == list(range(1, 7))
+        assert [json.loads(line)["step"] for line in host.metrics.read_text().splitlines()] == list(range(1, 7))
+
+    assert gcs_steps(gcs) == [1, 2, 4, 6]
+    writes = storage_writes(gcs, "post-train/R/")
+    for step in (1, 2, 4, 6):
+        assert parts(gcs, step) == [0, 1, 2, 3]
+        # Process 0 commits a step only after every host's part of it is written.
+        step_writes = [name for name in writes if name.startswith(f"post-train/R/checkpoints/{step}/")]
+        part_writes = [i for i, name in enumerate(step_writes) if "process_" in name]
+        assert len(part_writes) == 4 * 2 * 3  # hosts x items x (data, manifest, array metadata)
+        assert step_writes[-1] == f"post-train/R/checkpoints/{step}/commit_success.txt"
+        assert step_writes.count(step_writes[-1]) == 1 and max(part_writes) < len(step_writes) - 1
+    # TensorBoard events and the profile: process 0 alone (Tunix's guards).
+    assert len([name for name in writes if "/tensorboard/events.out.tfevents." in name]) == 1
+    assert len([name for name in writes if name.endswith(".xplane.pb")]) == 1
+
+
+@pytest.mark.parametrize(("lost", "error"), [(2, UNHEALTHY.format(task=2)), (0, LEADER_GONE)],
+                         ids=["a-worker", "the-coordinator"])
+def test_a_lost_host_fails_the_others_as_jax_does_and_its_step_is_never_committed(mt, gcs, slice_run, lost, error):
+    assert mt(on_gcs(TO_MAXTEXT, gcs.bucket), hf_token=TOKEN, env_extra=gcs.env).returncode == 0
+    train = on_gcs(TRAIN_SFT, gcs.bucket).replace(" profiler=xplane", "").replace(
+        "steps=1000", "steps=8 checkpoint_period=2")
+    faults = {"heartbeat_timeout_seconds": HEARTBEAT, "train_sft": {"kill_host_at_step": {"host": lost, "step": 4}}}
+    hosts = slice_run(3, train, faults=faults, env_extra=gcs.env)
+    assert hosts[lost].proc.wait(timeout=60) == -signal.SIGKILL
+    lost_at = time.monotonic()
+    survivors = [host for i, host in enumerate(hosts) if i != lost]
+    for host in survivors:  # terminated as jaxlib terminates: absl FATAL, SIGABRT
+        assert host.proc.wait(timeout=HEARTBEAT + 10) == -signal.SIGABRT, host.log.read_text()
+    took = time.monotonic() - lost_at
+    # A lost worker is noticed when its heartbeats stop; a lost coordinator at once (its socket closes).
+    assert (took >= HEARTBEAT - 0.2 if lost else took < HEARTBEAT), took
+    assert took < HEARTBEAT + 5, took
+    for host in survivors:
+        log = host.log.read_text()
+        assert TERMINATING in log and error in log, log[-3000:]
+        assert steps_logged(log) == [1, 2, 3]  # step 4's line would come with step 5
+    if lost:
+        assert "coordination_service.cc:1681] Use error polling to propagate the following error to all tasks: " \
+               "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n2\n" in hosts[0].log.read_text()
+    # Step 4 lacks the lost host's part and has no commit: it is not a checkpoint. (A lost worker
+    # holds the others for its heartbeat timeout, long enough to write their parts; a lost
+    # coordinator stops them at once, maybe before theirs.)
+    assert gcs_steps(gcs) == [1, 2]
+    assert parts(gcs, 4) == [0, 1] if lost else lost not in parts(gcs, 4)
+
+    resumed = slice_run(3, train, faults={"heartbeat_timeout_seconds": HEARTBEAT}, env_extra=gcs.env)
+    for host in resumed:
+        assert host.proc.wait(timeout=60) == 0, host.log.read_text()
+        log = host.log.read_text()
+        assert "Restored params from step: 2 in" in log and steps_logged(log) == list(range(3, 9))
+    assert gcs_steps(gcs) == [1, 2, 4, 6, 8] and parts(gcs, 4) == [0, 1, 2]
+
+
+def test_a_host_that_never_comes_fails_its_slice_after_the_initialization_timeout(mt, slice_run):
+    convert(mt)
+    # Host 1 of two, alone: it retries the coordinator for the timeout plus the agent's 5 seconds.
+    started = time.monotonic()
+    [host] = slice_run(2, TRAIN_SFT + " jax_distributed_initialization_timeout=1", only=[1])
+    assert host.proc.wait(timeout=30) == -signal.SIGABRT
+    assert 6 <= time.monotonic() - started < 15
+    log = host.log.read_text()
+    assert TERMINATING + (" This most likely indicates that another task died; see the other task logs for more "
+                          "details. Disable Python buffering, i.e. `python -u`, to be sure to see all the previous "
+                          "output. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\n"
+                          "RPC: /tensorflow.CoordinationService/RegisterTask") in log
+    assert "completed step" not in log
+
+
+def test_a_worker_id_outside_the_slice_is_refused_as_jax_refuses_it(mt, slice_run):
+    convert(mt)
+    [host] = slice_run(2, TRAIN_SFT, env_extra={"TPU_WORKER_ID": "2"}, only=[0])
+    assert host.proc.wait(timeout=30) == 1
+    assert ("ValueError: process_id and num_processes must be nonnegative, with process_id < num_processes. "
+            "Got process_id=2, num_processes=2.") in host.log.read_text()
+
+
+def test_a_host_that_fails_alone_holds_the_others_until_the_shutdown_barrier_times_out(mt, slice_run):
+    # Tunix profiles on process 0 only, so only it refuses an empty profile window; it then waits at
+    # JAX's shutdown barrier while the other host waits in step 1, until the barrier's timeout.
+    convert(mt)
+    hosts = slice_run(2, TRAIN_SFT.replace("steps=1000", "steps=1"),
+                      faults={"heartbeat_timeout_seconds": 30, "shutdown_timeout_seconds": 1})
+    for host in hosts:
+        assert host.proc.wait(timeout=30) == -signal.SIGABRT, host.log.read_text()
+    first, second = (host.log.read_text() for host in hosts)
+    assert "ValueError: First profile step 1 cannot be greater than the last profile step 1." in first
+    assert "ValueError" not in second
+    for log in (first, second):
+        assert TERMINATING in log and "absl::Status: INTERNAL: Shutdown barrier has failed.\nBarrier result: " \
+               "'DEADLINE_EXCEEDED: Barrier timed out. Id: Shutdown::" in log
+        assert "# of tasks that reached the barrier: 1/2.\nThe first task at the barrier: 0. Some timed out task " \
+               "names:\n1\n [type.googleapis.com/tensorflow.BarrierError='\\n\\x" in log
+    assert "coordination_service.cc:1653] Shutdown barrier in coordination service has failed:\n" in first

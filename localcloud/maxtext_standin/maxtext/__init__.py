@@ -14,6 +14,8 @@ Orbax publishes a checkpoint step (a temporary directory renamed into place;
 on gs://, through the JSON API at $STORAGE_EMULATOR_HOST, commit_success.txt last),
 the log lines, resuming from the latest checkpoint, and exit codes. File
 contents are small fakes. Tests can inject faults (a crash, a stall, running
-out of data, a failed conversion) and change the time per step; the fault
-file format is described in `maxtext._standin`.
+out of data, a failed conversion, a lost host) and change the time per step;
+the fault file format is described in `maxtext._standin`. On a multi-host TPU
+slice, train_sft runs as one process per host that together behave like a
+multi-controller JAX run (`maxtext._distributed`).
 """

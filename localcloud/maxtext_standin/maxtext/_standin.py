@@ -10,12 +10,15 @@ silently. All keys are optional:
 
     {
       "seconds_per_step": 0.02,              # time one training step takes
+      "heartbeat_timeout_seconds": 100,      # on a multi-host slice: JAX's heartbeat timeout
+      "shutdown_timeout_seconds": 300,       #    and shutdown barrier timeout (their defaults)
       "train_sft": {"crash_at_step": 7},     # or "segfault_at_step" / "stall_at_step" /
                                              #    "out_of_data_at_step" /
                                              #    "partial_checkpoint_at_step" /
                                              #    "partial_checkpoint_exit_at_step" /
                                              #    "loss_nan_from_step" /
-                                             #    "eval_loss_rises" (true)
+                                             #    "eval_loss_rises" (true) /
+                                             #    "kill_host_at_step" ({"host": 2, "step": 3})
       "to_maxtext": {"fail": "message"},
       "to_huggingface": {"fail": "message"}
     }
@@ -48,6 +51,15 @@ For a train_sft fault at step k (only steps this run actually trains count):
                       run); training otherwise finishes normally.
   eval_loss_rises     the held-out eval loss grows with the steps (a fine-tune
                       that makes the model worse); training otherwise finishes normally.
+  kill_host_at_step   {"host": H, "step": k}: on a multi-host slice (see maxtext/_distributed.py),
+                      the process of host H (its TPU_WORKER_ID, its JAX process id) is
+                      SIGKILLed once step k has trained, before it saves step k (a host
+                      lost mid-training); the other hosts go on until they need it, and
+                      terminate as JAX does when a task stops sending heartbeats (or, for
+                      host 0, when the coordination service is gone). A step k checkpoint then
+                      has the other hosts' parts but no commit. On a single VM, host 0 is the
+                      only process.
+The other faults hit every host of a slice alike (each host reads the same fault file).
 A converter "fail" raises RuntimeError(message): a traceback and exit 1.
 Any of the three may carry "barrier": NAME (see hold_at_barrier): the command
 waits at its start, with the Hugging Face token in its environment, until a test
@@ -102,6 +114,7 @@ _FAULT_KEYS = {
         "partial_checkpoint_exit_at_step",
         "loss_nan_from_step",
         "eval_loss_rises",
+        "kill_host_at_step",
         "barrier",
     },
     "to_maxtext": {"fail", "barrier"},
@@ -124,6 +137,9 @@ def load_faults():
             if key == "seconds_per_step":
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                     raise ValueError("seconds_per_step must be a number >= 0")
+            elif key in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                    raise ValueError(f"{key} must be a number > 0")
             elif key in _FAULT_KEYS:
                 if not isinstance(value, dict) or not set(value) <= _FAULT_KEYS[key]:
                     raise ValueError(f"{key} takes an object with keys among {sorted(_FAULT_KEYS[key])}")
@@ -132,6 +148,9 @@ def load_faults():
                         ok = isinstance(arg, str) and re.fullmatch(r"[A-Za-z0-9._-]+", arg) is not None
                     elif name == "eval_loss_rises":
                         ok = arg is True
+                    elif name == "kill_host_at_step":
+                        ok = (isinstance(arg, dict) and set(arg) == {"host", "step"} and type(arg["host"]) is int
+                              and arg["host"] >= 0 and type(arg["step"]) is int and arg["step"] >= 1)
                     else:
                         ok = isinstance(arg, str) if name == "fail" else (type(arg) is int and arg >= 1)
                     if not ok:
@@ -212,6 +231,7 @@ KEYS = {
     # hardware and model
     "hardware": (("tpu", "gpu", "gpu_multiprocess", "cpu"), "tpu"),
     "skip_jax_distributed_system": ("bool", False),
+    "jax_distributed_initialization_timeout": ("int", 300),
     "scan_layers": ("bool", True),
     "param_scan_axis": ("int", 1),
     "use_multimodal": ("bool", False),
@@ -526,26 +546,41 @@ def parse_absl_flags(argv, bool_flags=()):
 COMMIT_FILE = "commit_success.txt"
 
 
-def _pytree_item_files(info, use_zarr3):
+def _item_part_files(info, process, array_metadata):
+    """{relative path: bytes} of one process's part of an item: its OCDBT sub-database
+    (`ocdbt.process_<N>/`, tensorstore_utils.PROCESS_SUBDIR_PREFIX in Orbax 0.11.39) and, on a
+    slice, its array metadata (`array_metadatas/process_<N>`, array_metadata_store.PathResolver;
+    the single-host layout has always been without it)."""
+    files = {f"ocdbt.process_{process}/d/{_item_blob(info)}": b"maxtext-standin\n",
+             f"ocdbt.process_{process}/manifest.ocdbt": b""}
+    if array_metadata:
+        files[f"array_metadatas/process_{process}"] = json.dumps({"array_metadatas": []}).encode()
+    return files
+
+
+def _item_blob(info):
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _pytree_item_files(info, use_zarr3, with_part=True):
     """{relative path: bytes} of an Orbax OCDBT PyTree item, with `info` in _METADATA for the
-    stand-in; _METADATA comes last, as Orbax writes it after the array data."""
-    blob = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32]
+    stand-in; _METADATA comes last, as Orbax writes it after the array data. `with_part=False`
+    leaves out process 0's part (on a slice each process writes its own: _item_part_files)."""
     metadata = {"tree_metadata": {}, "use_zarr3": use_zarr3, "store_array_data_equal_to_fill_value": True,
                 "maxtext_standin": info}
     return {
-        f"d/{blob}": b"maxtext-standin\n",
-        f"ocdbt.process_0/d/{blob}": b"maxtext-standin\n",
-        "ocdbt.process_0/manifest.ocdbt": b"",
+        f"d/{_item_blob(info)}": b"maxtext-standin\n",
+        **(_item_part_files(info, 0, array_metadata=False) if with_part else {}),
         "manifest.ocdbt": b"",
         "_sharding": b"{}",
         "_METADATA": json.dumps(metadata, indent=1).encode(),
     }
 
 
-def _step_files(items, use_zarr3):
+def _step_files(items, use_zarr3, with_part=True):
     files = {}
     for name, info in items.items():
-        files.update({f"{name}/{rel}": data for rel, data in _pytree_item_files(info, use_zarr3).items()})
+        files.update({f"{name}/{rel}": data for rel, data in _pytree_item_files(info, use_zarr3, with_part).items()})
     now_ns = time.time_ns()
     files["_CHECKPOINT_METADATA"] = json.dumps({
         "item_handlers": {name: "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
@@ -555,7 +590,30 @@ def _step_files(items, use_zarr3):
     return files
 
 
-def save_step(root, step, items, use_zarr3=True, commit=True):
+def _write_gcs_step(step_url, files, commit):
+    """A step's files straight to gs:// (no renames there): each item gets its commit_success.txt
+    after its _METADATA, and `commit` writes the step's commit_success.txt last."""
+    for rel, data in files.items():
+        gcs.write(gcs.join(step_url, rel), data)
+        item, _, rest = rel.partition("/")
+        if rest == "_METADATA":
+            gcs.write(gcs.join(step_url, item, COMMIT_FILE), f"Checkpoint commit was successful to "
+                                                             f"{gcs.join(step_url, item)}")
+    if commit:
+        gcs.write(gcs.join(step_url, COMMIT_FILE), f"Checkpoint commit was successful to {step_url}")
+
+
+def _write_local_files(folder, files):
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+
+
+def _temporary_step_dir(root, step):
+    return Path(root) / f"{step}{ORBAX_TMP_SUFFIX}-{time.time_ns() // 1000}"
+
+
+def save_step(root, step, items, use_zarr3=True, commit=True, runtime=None):
     """Save checkpoint `step` under `root` as Orbax does.
 
     On a local disk everything is written into `<step>.orbax-checkpoint-tmp-<ts>` first and
@@ -564,27 +622,55 @@ def save_step(root, step, items, use_zarr3=True, commit=True):
     commit_success.txt after its files, and `<step>/commit_success.txt` comes last: a step
     without it is incomplete. `commit=False` stops before that point (the temporary
     directory is not renamed, or the marker is not written): a save cut short.
+    With a `runtime` (a multi-host slice, maxtext/_distributed.py): save_step_on_slice.
     """
+    if runtime is not None:
+        save_step_on_slice(root, step, items, runtime, use_zarr3, commit)
+        return
     files = _step_files(items, use_zarr3)
     if gcs.is_gcs(root):
-        step_url = gcs.join(root, str(step))
-        for rel, data in files.items():
-            gcs.write(gcs.join(step_url, rel), data)
-            item, _, rest = rel.partition("/")
-            if rest == "_METADATA":
-                gcs.write(gcs.join(step_url, item, COMMIT_FILE), f"Checkpoint commit was successful to "
-                                                                 f"{gcs.join(step_url, item)}")
-        if commit:
-            gcs.write(gcs.join(step_url, COMMIT_FILE), f"Checkpoint commit was successful to {step_url}")
+        _write_gcs_step(gcs.join(root, str(step)), files, commit)
         return
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{step}{ORBAX_TMP_SUFFIX}-{time.time_ns() // 1000}"
-    for rel, data in files.items():
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / rel).write_bytes(data)
+    tmp = _temporary_step_dir(root, step)
+    _write_local_files(tmp, files)
     if commit:
-        os.rename(tmp, root / str(step))
+        os.rename(tmp, Path(root) / str(step))
+
+
+def save_step_on_slice(root, step, items, runtime, use_zarr3=True, commit=True):
+    """Orbax's save on a multi-host slice, every process calling it: each writes its own part of
+    every item (_item_part_files); once every part is written (a barrier: Orbax merges and commits
+    only after all processes' writes, base_pytree_checkpoint_handler._finalize_async after its
+    sync), process 0 alone writes what the processes share (the merged OCDBT manifest, as
+    ocdbt_utils.merge_ocdbt_per_process_files, _sharding, _METADATA, _CHECKPOINT_METADATA) and
+    commits the step: on gs:// its commit_success.txt last; on a local disk the rename of the
+    temporary directory it made for all of them (atomicity.create_all: the primary host creates
+    it between two syncs). A process lost before its part is written leaves a step that is never
+    committed."""
+    me = runtime.process_id
+    part = {f"{name}/{rel}": data for name, info in items.items()
+            for rel, data in _item_part_files(info, me, array_metadata=True).items()}
+    shared = _step_files(items, use_zarr3, with_part=False)
+    if gcs.is_gcs(root):
+        step_url = gcs.join(root, str(step))
+        for rel, data in part.items():
+            gcs.write(gcs.join(step_url, rel), data)
+        runtime.barrier(f"checkpoint {step}: every part written")
+        if me == 0:
+            _write_gcs_step(step_url, shared, commit)
+        return
+    tmp_name = None
+    if me == 0:
+        tmp = _temporary_step_dir(root, step)
+        tmp.mkdir(parents=True)
+        tmp_name = tmp.name
+    tmp = Path(root) / runtime.barrier(f"checkpoint {step}: temporary directory", tmp_name)
+    _write_local_files(tmp, part)
+    runtime.barrier(f"checkpoint {step}: every part written")
+    if me == 0:
+        _write_local_files(tmp, shared)
+        if commit:
+            os.rename(tmp, Path(root) / str(step))
 
 
 def latest_step(root):

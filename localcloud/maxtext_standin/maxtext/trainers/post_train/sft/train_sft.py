@@ -24,6 +24,22 @@ Imitates MaxText 0.2.2's SFT run, whose loop is Tunix's PeftTrainer:
   from the restored step, writing tensorboard/plugins/profile/<time>/<host>.xplane.pb,
   and refuses to start when that window is empty (steps=1, or a re-run of a
   finished run).
+On a multi-host TPU slice (the environment names several TPU workers: maxtext/_distributed.py
+reads it as JAX does), one such process runs on every host and together they are one
+multi-controller JAX run:
+- process 0 runs the coordination service; the others connect at start (for at most
+  jax_distributed_initialization_timeout seconds), and every step waits for all of them (the
+  step's collectives);
+- each process writes its own part of every checkpoint, and process 0 commits the step once all
+  parts are written (_standin.save_step_on_slice);
+- every process logs its "completed step" lines and writes its own metrics_file: MaxText's
+  MetricLogger.write_metrics logs and calls write_metrics_locally with no process guard
+  (common/metric_logger.py, 0.2.2); only process 0 writes TensorBoard events (Tunix's
+  metrics_logger.register_jax_monitoring and MaxText's initialize_summary_writer return nothing
+  elsewhere) and profiles (Tunix's sft/profiler.Profiler does nothing, and checks nothing, off
+  process 0);
+- a lost process makes the others terminate as JAX does; at exit, every process waits for the
+  others (JAX's shutdown barrier).
 Each step takes the fault file's seconds_per_step; faults are described in
 maxtext/_standin.py.
 """
@@ -37,6 +53,7 @@ import socket
 import sys
 import time
 
+from maxtext import _distributed as distributed
 from maxtext import _standin as s
 
 
@@ -44,7 +61,9 @@ class XlaRuntimeError(RuntimeError):
     """What a failing TPU step raises in JAX (jaxlib's XlaRuntimeError)."""
 
 
-def _run_train_step(step, fault):
+def _run_train_step(step, fault, process_index):
+    if fault.get("kill_host_at_step") == {"host": process_index, "step": step}:
+        os.kill(os.getpid(), signal.SIGKILL)  # the host is lost: no exception, no exit of its own
     if fault.get("crash_at_step") == step:
         raise XlaRuntimeError(f"INTERNAL: stand-in fault injected at step {step} (crash_at_step)")
     if fault.get("segfault_at_step") == step:
@@ -91,7 +110,8 @@ def main(argv):
     fault = faults.get("train_sft", {})
     seconds_per_step = faults["seconds_per_step"]
     s.hold_at_barrier(fault)
-
+    runtime = distributed.initialize(config, faults)
+    process_index = runtime.process_id if runtime is not None else 0
     if config.load_parameters_path:
         s.read_params(config.load_parameters_path, config)
     _check_train_files(config)
@@ -107,7 +127,7 @@ def main(argv):
     train_steps = restored or 0
 
     profile_window = None
-    if config.profiler:
+    if config.profiler and process_index == 0:
         first = train_steps + config.skip_first_n_steps_for_profiler
         last = min(first + config.profiler_steps, config.steps)
         if first >= last:
@@ -118,7 +138,9 @@ def main(argv):
         skip, count = config.skip_first_n_steps_for_profiler, config.profiler_steps
         hidden_steps = {skip, skip + 1, skip + count, skip + count + 1}
 
-    s.write_file(os.path.join(tensorboard_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"), b"")
+    if process_index == 0:
+        s.write_file(os.path.join(tensorboard_dir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"),
+                     b"")
 
     # One device assumed: per-device and global figures are the same.
     tokens = config.per_device_batch_size * config.max_target_length
@@ -156,7 +178,7 @@ def main(argv):
         s.save_step(checkpoint_root, step, {
             "model_params": s.params_info(config, run_name=config.run_name, step=step),
             "optimizer_state": {"step": step},
-        }, use_zarr3=config.checkpoint_storage_use_zarr3, commit=commit)
+        }, use_zarr3=config.checkpoint_storage_use_zarr3, commit=commit, runtime=runtime)
 
     if config.eval_interval > 0:
         run_eval()
@@ -177,9 +199,11 @@ def main(argv):
         if pending_log is not None:
             log_step(pending_log)
         pending_log = step
+        if runtime is not None:
+            runtime.barrier(f"step {step}")  # the step's collectives: every host is in it
         # The step's device work: JAX dispatched it asynchronously, so it overlaps the log above.
         time.sleep(seconds_per_step * config.gradient_accumulation_steps)
-        _run_train_step(step, fault)
+        _run_train_step(step, fault, process_index)
         if fault.get("partial_checkpoint_at_step") == step:
             save(step, commit=False)  # the save is cut short: no commit, then a hang
             while True:
