@@ -157,6 +157,13 @@ def test_a_v6e_16_run_trains_on_every_host_and_leaves_nothing(shared_airflow, lo
     assert [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])] == []
     training = shared_airflow.xcom(run_id, "wait_for_final_checkpoint", dag_id=DAG_ID)
     assert training["final_step"] == 12
+    # The final checkpoint holds every host's part (each host's JAX process wrote its own), and
+    # was committed after them.
+    from maxtext_sft.hooks.storage import StorageEndpointHook
+
+    files = StorageEndpointHook(gcp_conn_id="google_cloud_default").names_under(training["final_checkpoint"].rstrip("/"))
+    parts = {name.split("/")[0] for name in files if name.startswith("ocdbt.process_")}
+    assert parts == {f"ocdbt.process_{n}" for n in range(HOSTS)}, files
 
     # Every host was set up and trained (their commands went over SSH to each one); the
     # conversion and the export ran once.
