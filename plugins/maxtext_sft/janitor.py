@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from maxtext_sft.instances import EXPIRY_LABEL
 from maxtext_sft.run_names import PACKAGE_LABEL
+from maxtext_sft.slice_body import SLICE_GROUP_KEY
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Condemned:
     reason: str
     dag_id: str | None = None  # the run the VM was created for, when its metadata says
     run_id: str | None = None
+    group: str | None = None  # a slice's host: its managed instance group, deleted instead
 
 
 def _metadata(instance: dict) -> dict[str, str]:
@@ -66,19 +68,20 @@ def condemned(instances: Iterable[dict], run_state: Callable[[str, str], str | N
         name, zone = instance["name"], instance["zone"].rsplit("/", 1)[-1]
         metadata = _metadata(instance)
         dag_id, run_id = metadata.get("airflow-dag-id"), metadata.get("airflow-run-id")
+        ids = {"dag_id": dag_id, "run_id": run_id, "group": metadata.get(SLICE_GROUP_KEY)}
         expires = labels.get(EXPIRY_LABEL, "")
         if expires.isdigit() and now > int(expires):
             ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(expires)))
-            doomed.append(Condemned(name, zone, f"its lifetime ended at {ended}", dag_id, run_id))
+            doomed.append(Condemned(name, zone, f"its lifetime ended at {ended}", **ids))
             continue
         if not dag_id or not run_id:
             continue  # ours, but we cannot tell its run: only its lifetime can condemn it
         state = run_state(dag_id, run_id)
         state = getattr(state, "value", state)  # tolerate a DagRunState enum
         if state is None:
-            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} no longer exists", dag_id, run_id))
+            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} no longer exists", **ids))
         elif state != UNKNOWN and state not in LIVE_RUN_STATES:
-            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} is {state}", dag_id, run_id))
+            doomed.append(Condemned(name, zone, f"its DAG run {dag_id}/{run_id} is {state}", **ids))
     return doomed
 
 
@@ -99,11 +102,19 @@ def sweep(hook, project_id: str, run_state: Callable[[str, str], str | None], *,
     from google.api_core.exceptions import NotFound
 
     doomed = condemned(list_instances(hook, project_id), run_state, time.time())
+    groups_deleted: set[tuple[str, str]] = set()
     for vm in doomed:
+        what = f"the slice {vm.group} of host {vm.name}" if vm.group else vm.name
         if dry_run:
-            log.warning("would delete %s (%s): %s", vm.name, vm.zone, vm.reason)
+            log.warning("would delete %s (%s): %s", what, vm.zone, vm.reason)
             continue
-        log.warning("deleting %s (%s): %s", vm.name, vm.zone, vm.reason)
+        if vm.group:
+            if (vm.zone, vm.group) not in groups_deleted:
+                log.warning("deleting %s (%s): %s", what, vm.zone, vm.reason)
+                delete_slice(hook, project_id, vm.zone, vm.group)
+                groups_deleted.add((vm.zone, vm.group))
+            continue
+        log.warning("deleting %s (%s): %s", what, vm.zone, vm.reason)
         try:
             hook.delete_instance(resource_id=vm.name, zone=vm.zone, project_id=project_id, request_id=None)
         except NotFound:
@@ -111,6 +122,27 @@ def sweep(hook, project_id: str, run_state: Callable[[str, str], str | None], *,
     if not doomed:
         log.info("no VM to delete")
     return doomed
+
+
+def delete_slice(hook, project_id: str, zone: str, group: str) -> None:
+    """Delete a slice's group (and with it its hosts), then the template and the workload policy
+    it names (Compute Engine keeps both while the group uses them); what is gone is skipped."""
+    from google.api_core.exceptions import NotFound
+
+    try:
+        manager = hook.get_instance_group_manager(resource_id=group, zone=zone, project_id=project_id)
+    except NotFound:
+        log.info("group %s was already gone", group)
+        return
+    hook.delete_instance_group_manager(resource_id=group, zone=zone, project_id=project_id)
+    try:
+        hook.delete_instance_template(resource_id=manager.instance_template.rsplit("/", 1)[-1], project_id=project_id)
+    except NotFound:
+        pass
+    policy = manager.resource_policies.workload_policy  # projects/P/regions/R/resourcePolicies/NAME
+    if policy:
+        parts = policy.split("/")
+        hook.delete_resource_policy(name=parts[-1], region=parts[parts.index("regions") + 1], project_id=project_id)
 
 
 def rest_api_run_state(base_url: str, token: str | None) -> Callable[[str, str], str | None]:

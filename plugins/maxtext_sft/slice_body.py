@@ -23,6 +23,7 @@ from maxtext_sft.catalog import TPU_SLICES
 from maxtext_sft.run_names import vm_name_for
 
 GCE_NAME_MAX = 63
+SLICE_GROUP_KEY = "airflow-slice-group"  # instance metadata: the group a slice's host belongs to
 
 
 class SliceBodies:
@@ -93,6 +94,9 @@ class SliceBodies:
         # would bound nothing. The group's bounds are the teardown, the hosts' autostop (which the
         # group leaves stopped, see group_body), the expiry label and the janitor.
         properties["scheduling"].pop("max_run_duration", None)
+        # Each host names its group: the janitor deletes the group (a host deleted alone, the
+        # group would re-create), its template and its policy.
+        properties["metadata"]["items"].append({"key": SLICE_GROUP_KEY, "value": self.group_name})
         return {"name": self.template_name, "properties": properties}
 
     def group_body(self) -> dict[str, Any]:

@@ -140,3 +140,40 @@ def test_the_dag_tells_a_declared_jobs_owners_which_vm_it_deleted(local_cloud, a
     assert message["event"] == "vm_deleted_by_janitor"
     assert message["dag_id"] == "team_job" and message["run_id"] == spec.run_id
     assert "its lifetime ended" in message["message"]
+
+
+def test_the_command_deletes_an_expired_slices_group_template_and_policy(local_cloud, pipeline_connections):
+    """A slice's host is not deleted alone (its group would make it again): the janitor deletes
+    the group, its hosts with it, then the template and the workload policy."""
+    from google.api_core.exceptions import NotFound
+
+    from localcloud.connections import LOCAL_ZONE
+    from tests.dags.conftest import wait_until
+    from tests.plugins.test_slice_spec import make_slice_spec
+
+    local_cloud.add_reservation("janitor-slice-reservation", 4, "ct6e-standard-4t", zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+    spec = make_slice_spec(project_id=LOCAL_PROJECT, reservation="janitor-slice-reservation", vm_name_prefix="janitor")
+    hook = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    template = spec.instance_template_body()
+    template["properties"]["labels"][EXPIRY_LABEL] = str(int(time.time()) - 5)  # the slice outlived its lifetime
+    hook.insert_resource_policy(body=spec.workload_policy_body(), region=spec.region, project_id=LOCAL_PROJECT)
+    hook.insert_instance_template(body=template, project_id=LOCAL_PROJECT)
+    hook.insert_instance_group_manager(body=spec.group_body(), zone=spec.zone, project_id=LOCAL_PROJECT)
+    hosts = lambda: [vm["name"] for vm in local_cloud.vms() if vm["name"].startswith(spec.group_name + "-")]  # noqa: E731
+    wait_until(lambda: len(hosts()) == 4, 120, "the group's 4 hosts")
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins")}
+    result = subprocess.run(
+        [sys.executable, "-m", "maxtext_sft.janitor", "--project", LOCAL_PROJECT],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    deleted = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {vm["group"] for vm in deleted if vm["name"].startswith(spec.group_name)} == {spec.group_name}
+    assert f"deleting the slice {spec.group_name}" in result.stderr
+    assert hosts() == []
+    with pytest.raises(NotFound):
+        hook.get_instance_group_manager(resource_id=spec.group_name, zone=spec.zone, project_id=LOCAL_PROJECT)
+    with pytest.raises(NotFound):
+        hook.get_instance_template(resource_id=spec.template_name, project_id=LOCAL_PROJECT)
+    assert hook.get_resource_policy(name=spec.policy_name, region=spec.region, project_id=LOCAL_PROJECT) is None

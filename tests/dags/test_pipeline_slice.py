@@ -139,6 +139,18 @@ def _names(airflow, run_id: str) -> dict:
     }
 
 
+def _failed_naming_and_left_nothing(airflow, local_cloud, run_id: str, cause: str) -> None:
+    """The fault tests' end: the run's error names `cause`, and nothing of the slice is left."""
+    error = _run_error(airflow, run_id)
+    names = _names(airflow, run_id)
+    left = [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])]
+    fault_tally.fault_injected()
+    fault_tally.vms_left(left)
+    fault_tally.failed_run(error, cause)
+    assert cause in error
+    assert _leftovers(names) == [] and left == []
+
+
 def test_a_v6e_16_run_trains_on_every_host_and_leaves_nothing(shared_airflow, local_cloud, slice_reservation):
     from localcloud.connections import LOCAL_BUCKET
 
@@ -232,15 +244,7 @@ def test_a_host_killed_mid_training_fails_the_run_naming_it_and_leaves_nothing(
     assert {states[t] for t in ("delete_slice", "delete_instance_template", "delete_workload_policy")} == {"success"}
     cause = f"({killed}) of slice"
     assert cause in _log(shared_airflow, run_id, "wait_for_final_checkpoint")
-    error = _run_error(shared_airflow, run_id)
-    assert cause in error
-    names = _names(shared_airflow, run_id)
-    assert _leftovers(names) == []
-    left = [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])]
-    fault_tally.fault_injected()
-    fault_tally.vms_left(left)
-    fault_tally.failed_run(error, cause)
-    assert left == []
+    _failed_naming_and_left_nothing(shared_airflow, local_cloud, run_id, cause)
 
 
 def test_a_group_whose_hosts_cannot_be_made_fails_naming_the_cause_and_leaves_nothing(
@@ -260,12 +264,4 @@ def test_a_group_whose_hosts_cannot_be_made_fails_naming_the_cause_and_leaves_no
     assert states["install_maxtext"] in ("upstream_failed", None), states
     cause = "QUOTA_EXCEEDED"
     assert "Compute Engine could not create host" in _log(shared_airflow, run_id, "create_slice")
-    error = _run_error(shared_airflow, run_id)
-    assert cause in error
-    names = _names(shared_airflow, run_id)
-    assert _leftovers(names) == []
-    left = [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])]
-    fault_tally.fault_injected()
-    fault_tally.vms_left(left)
-    fault_tally.failed_run(error, cause)
-    assert left == []
+    _failed_naming_and_left_nothing(shared_airflow, local_cloud, run_id, cause)

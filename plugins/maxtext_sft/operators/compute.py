@@ -170,17 +170,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
         )
         self.defer(
-            trigger=ReservationCapacityTrigger(
-                project_id=self.project_id,
-                zone=self.zone,
-                reservation=self.reservation,
-                deadline=deadline,
-                gcp_conn_id=self.gcp_conn_id,
-                poll_interval=self.capacity_poll_seconds,
-                first_read_after=self.capacity_first_read_seconds,
-                impersonation_chain=self.impersonation_chain,
-            ),
-            method_name="resume_after_capacity_wait",
+            trigger=ReservationCapacityTrigger.for_operator(self, deadline), method_name="resume_after_capacity_wait"
         )
 
     def _gave_up(self, count: int, deadline: float) -> str:

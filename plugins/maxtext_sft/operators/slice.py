@@ -242,17 +242,7 @@ class CreateSliceOperator(ComputeEngineInsertInstanceGroupManagerOperator):
             self.reservation, free, count, self.hosts,
         )
         self.defer(
-            trigger=ReservationCapacityTrigger(
-                project_id=self.project_id,
-                zone=self.zone,
-                reservation=self.reservation,
-                deadline=deadline,
-                gcp_conn_id=self.gcp_conn_id,
-                poll_interval=self.capacity_poll_seconds,
-                first_read_after=self.capacity_first_read_seconds,
-                impersonation_chain=self.impersonation_chain,
-                needed=int(self.hosts),
-            ),
+            trigger=ReservationCapacityTrigger.for_operator(self, deadline, needed=int(self.hosts)),
             method_name="resume_after_capacity_wait",
         )
 

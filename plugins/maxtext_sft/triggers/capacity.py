@@ -83,6 +83,22 @@ class ReservationCapacityTrigger(BaseTrigger):
         self.impersonation_chain = impersonation_chain
         self._hook: ComputeEngineEndpointHook | None = None
 
+    @classmethod
+    def for_operator(cls, operator, deadline: float, needed: int = 1) -> ReservationCapacityTrigger:
+        """The trigger a create operator defers to: its reservation, connection and read timings
+        (capacity_poll_seconds, capacity_first_read_seconds)."""
+        return cls(
+            project_id=operator.project_id,
+            zone=operator.zone,
+            reservation=operator.reservation,
+            deadline=deadline,
+            gcp_conn_id=operator.gcp_conn_id,
+            poll_interval=operator.capacity_poll_seconds,
+            first_read_after=operator.capacity_first_read_seconds,
+            impersonation_chain=operator.impersonation_chain,
+            needed=needed,
+        )
+
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
