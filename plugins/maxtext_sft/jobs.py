@@ -27,7 +27,7 @@ from maxtext_sft.notifier import OwnersNotifier
 from maxtext_sft.params import pipeline_params, with_defaults
 from maxtext_sft.paths import include_dir
 from maxtext_sft.pipeline import fine_tune_dag
-from maxtext_sft.run_params import SpecError
+from maxtext_sft.run_params import SLICE_DEFAULTS, SpecError
 from maxtext_sft.spec import build_run_spec
 
 FIELDS = {
@@ -146,9 +146,13 @@ def _date(value: Any, bad, *, required: bool) -> pendulum.DateTime | None:
 
 
 def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
-    """The job's Params: its values checked as a run checks them (the run's own identity aside)."""
+    """The job's Params: its values checked as a run checks them (the run's own identity aside).
+    A job that names a `tpu_slice` runs on a multi-host slice (its hosts' machine type by default)."""
     if not isinstance(values, dict):
         raise bad("params", "expected a mapping of Param names to values")
+    tpu_slice = "tpu_slice" in values
+    if tpu_slice:
+        values = {**SLICE_DEFAULTS, **values}
     try:
         build_run_spec(
             values,
@@ -159,12 +163,13 @@ def _params(values: Any, dag_id: str, bad) -> dict[str, Any]:
             default_project_id="project-of-the-connection",  # the real one is read at run time
             ssh_user="parse-time-check",
             ssh_public_key="ssh-ed25519 AAAA",
+            tpu_slice=tpu_slice,
         )
     except SpecError as error:
         if error.param:
             raise bad(f"params.{error.param}", str(error).removeprefix(f"Param {error.param!r}: ")) from None
         raise bad("params", str(error)) from None
-    return with_defaults(pipeline_params(), values)
+    return with_defaults(pipeline_params(tpu_slice=tpu_slice), values)
 
 
 # A job file's fields that fine_tune_dag takes as they are.
@@ -185,6 +190,7 @@ def declared_job_dag(file_name: str) -> DAG:
         # A new job spends nothing until someone unpauses it (whatever dags_are_paused_at_creation says).
         is_paused_upon_creation=True,
         on_failure_callback=notifier,
+        tpu_slice="tpu_slice" in job["params"],
         doc_md=job_doc(path, job),
     )
 

@@ -130,3 +130,20 @@ def test_a_broken_job_is_one_import_error_naming_file_and_field_and_hides_no_oth
     assert "broken.yaml: field 'params.steps': -5 is not an integer in [1, 10000000]" in errors["job_broken.py"]
     assert "not-yaml.yaml: not readable YAML" in errors["job_not_yaml.py"]
     assert textwrap.shorten(errors["job_broken.py"], 2000)  # one readable error, not a silent skip
+
+
+def test_a_job_that_names_a_slice_trains_on_it_and_must_name_an_output_location(tmp_path, monkeypatch):
+    from maxtext_sft.jobs import declared_job_dag
+
+    monkeypatch.setenv("MAXTEXT_SFT_JOBS_DIR", str(tmp_path))
+    sliced = {**GOOD, "params": {**GOOD["params"], "tpu_slice": "v6e-32", "output_location": "gs://team/sft"}}
+    write_job(tmp_path, "big.yaml", sliced)
+    dag = declared_job_dag("big.yaml")
+    assert dag.params["tpu_slice"] == "v6e-32"
+    assert dag.params["machine_type"] == "ct6e-standard-4t"  # a slice's hosts, unless the file says
+    assert {"create_workload_policy", "create_instance_template", "create_slice", "delete_slice"} <= set(dag.task_ids)
+    assert "create_vm" not in dag.task_ids
+
+    write_job(tmp_path, "big.yaml", {**sliced, "params": {**sliced["params"], "output_location": None}})
+    with pytest.raises(JobConfigError, match="field 'params.output_location': a v6e-32 slice needs one"):
+        load_job(tmp_path / "big.yaml")

@@ -169,6 +169,9 @@ def test_a_v6e_16_run_trains_on_every_host_and_leaves_nothing(shared_airflow, lo
     assert [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])] == []
     training = shared_airflow.xcom(run_id, "wait_for_final_checkpoint", dag_id=DAG_ID)
     assert training["final_step"] == 12
+    # The summary prices the slice: every host at the per-host price, for the group's life.
+    vm = shared_airflow.xcom(run_id, "summarize_run", dag_id=DAG_ID)["vm"]
+    assert vm["existed"] and vm["deleted"] and vm["hourly_price_usd"] == 4 * 10.0
     # The final checkpoint holds every host's part (each host's JAX process wrote its own), and
     # was committed after them.
     from maxtext_sft.hooks.storage import StorageEndpointHook

@@ -64,3 +64,16 @@ def test_a_reservation_smaller_than_the_slice_fails_at_once(local_cloud, reserva
     spec = make_slice_spec(project_id=LOCAL_PROJECT, reservation=reservation, vm_name_prefix="slice-small")
     with pytest.raises(AirflowFailException, match="holds 3 machines; the slice needs 4: no slice was created"):
         create_slice(spec, reservation).execute({"ti": types.SimpleNamespace(try_number=1)})
+
+
+def test_preflight_refuses_a_reservation_that_cannot_hold_every_host(local_cloud, reservation):
+    """Before anything is paid for: the reservation must hold the slice's every host."""
+    from maxtext_sft.preflight import PreflightFailed, check_reservation
+
+    local_cloud.add_reservation(reservation, 3, "ct6e-standard-4t", zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+    spec = make_slice_spec(project_id=LOCAL_PROJECT, reservation=reservation)
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    with pytest.raises(PreflightFailed, match="holds 3 ct6e-standard-4t machines; the v6e-16 slice needs 4"):
+        check_reservation(compute, spec, capacity_gate=True)
+    local_cloud.add_reservation(reservation, 4, "ct6e-standard-4t", zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+    assert "4 of 4 ct6e-standard-4t free" in check_reservation(compute, spec, capacity_gate=True)
