@@ -250,6 +250,29 @@ def test_a_host_killed_mid_training_fails_the_run_naming_it_and_leaves_nothing(
     _failed_naming_and_left_nothing(shared_airflow, local_cloud, run_id, cause)
 
 
+def test_a_hosts_training_process_killed_fails_the_run_naming_that_host_and_leaves_nothing(
+    shared_airflow, local_cloud, slice_reservation
+):
+    """The host stays up but its JAX process dies (an OOM kill, say): the others abort too, as
+    JAX's coordination service makes them; the run names the host that died first."""
+    from localcloud.connections import LOCAL_BUCKET
+
+    faults = {"heartbeat_timeout_seconds": 5, "train_sft": {"kill_host_at_step": {"host": 1, "step": 3}}}
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps(faults))
+    try:
+        run_id = shared_airflow.trigger(_conf(LOCAL_BUCKET), dag_id=DAG_ID)
+        run = wait_for_run_end(shared_airflow, run_id, timeout=300, dag_id=DAG_ID)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    states = shared_airflow.task_states(run_id, DAG_ID)
+    assert run["state"] == "failed"
+    assert states["wait_for_final_checkpoint"] == "failed", states
+    hosts = shared_airflow.xcom(run_id, "create_slice", dag_id=DAG_ID)
+    _failed_naming_and_left_nothing(
+        shared_airflow, local_cloud, run_id, f"exited with code 137 (killed by SIGKILL) on host 1 ({hosts[1]['name']})"
+    )
+
+
 def test_a_group_whose_hosts_cannot_be_made_fails_naming_the_cause_and_leaves_nothing(
     shared_airflow, local_cloud, slice_reservation
 ):

@@ -431,15 +431,27 @@ class SliceSshReadySensor(VmSshReadySensor):
 class SliceTrainingSensor(TrainingCheckpointSensor):
     """Wait for the final checkpoint as on one VM, watching host 0 (its log, its loss, the commit
     marker in storage), and every other host's training process: one that died, or a host gone,
-    fails the run at once, naming the host and the end of its log."""
+    fails the run at once, naming the host and the end of its log. One host's death ends every
+    host's training (JAX's coordination service aborts the others), so when host 0's ended too,
+    the hosts whose process died on its own are named first: they are the cause."""
 
     def poke(self, context):
-        others = self.host_specs[1:]
         check_hosts_running(self.host_specs, self.gcp_conn_id)
-        on_every_host(others, self._check_worker, "training") if others else None
-        return super().poke(context)
+        if deaths := self._worker_deaths():
+            raise AirflowFailException("\n".join(deaths))
+        try:
+            return super().poke(context)
+        except AirflowFailException as ended:
+            if deaths := self._worker_deaths():
+                raise AirflowFailException("\n".join([*deaths, f"Host 0: {ended}"])) from None
+            raise
 
-    def _check_worker(self, spec: RunSpec) -> None:
+    def _worker_deaths(self) -> list[str]:
+        """What ended the training on each other host whose process exited non-zero."""
+        others = self.host_specs[1:]
+        return [death for death in on_every_host(others, self._worker_death, "training") if death] if others else []
+
+    def _worker_death(self, spec: RunSpec) -> str | None:
         output: list[str] = []
         try:
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
@@ -453,19 +465,22 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             # Host 0's stall check still runs: a silent worker stops every host's steps.
             self.log.warning("Could not check training on host %s this time: %s", spec.vm_name, error)
-            return
+            return None
         status = next((m.group(1) for line in reversed(output) if (m := STATUS_LINE.match(line))), None)
         if status is None:
-            return
+            return None
         fields = dict(item.split("=", 1) for item in status.split())
         if fields.get("reason") == "no-training-started":
-            raise AirflowFailException(f"No training was ever started on host {spec.vm_name}")
-        if fields.get("state") == "exited" and fields.get("exit_code") != "0":
+            return f"No training was ever started on host {spec.host_index} ({spec.vm_name})"
+        if fields.get("state") == "failed":  # training_status.sh: exited non-zero, or killed unrecorded
             lines = [line for line in output if not STATUS_LINE.match(line)]
-            raise AirflowFailException(
-                f"Training {spec.run_name} {_exit_text(fields.get('exit_code'))} on host {spec.host_index} "
+            code = fields.get("exit_code")
+            how = _exit_text(code) if code != "none" else "died without writing its exit code (killed)"
+            return (
+                f"Training {spec.run_name} {how} on host {spec.host_index} "
                 f"({spec.vm_name}); last log lines:\n" + "\n".join(lines[_tail_start(lines):])
             )
+        return None
 
     def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
         raise AirflowFailException(f"{reason}: {NOT_RECOVERED}")
