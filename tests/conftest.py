@@ -72,6 +72,32 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.workeroutput["fault_tally"] = dict(fault_tally.TALLY)
 
 
+_GROUP_KEY = pytest.StashKey[str]()  # an item's xdist group (its file, or itself when spread)
+
+
+def pytest_configure(config):
+    # pytest-xdist (3.x) deals out loadgroup's groups largest first by their number of tests, not in
+    # collection order: the order below would be undone, and the real-MaxText files (one or two
+    # tests each, minutes of work) dealt out among the last. Keep the collection order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def expected_cost(item) -> int:
+    """How long a test takes, roughly, as a rank (0: the longest): the real-MaxText pipeline runs
+    (minutes of CPU each), then the tests that run Airflow's real components (they use the
+    session's PostgreSQL server: a scheduler start-up and whole runs), then the other whole-DAG
+    runs and the tests of the real image, then the rest (seconds)."""
+    real, e2e = item.get_closest_marker("real_maxtext"), item.get_closest_marker("e2e")
+    if real and e2e:
+        return 0
+    if "postgres_server" in item.fixturenames:
+        return 1
+    if real or e2e or "run_pipeline" in item.fixturenames:
+        return 2
+    return 3
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's `--dist loadgroup` (make test): a file's tests stay on one worker, so
@@ -80,10 +106,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("spread") is None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    # The real-MaxText files first: each takes minutes on one worker, and the workers take files
-    # in this order, so the shorter ones fill both workers' tails instead of one waiting for the
-    # last of them (measured: one worker idle for the last 6 minutes otherwise).
-    items.sort(key=lambda item: item.get_closest_marker("real_maxtext") is None)
+    # The longest first: the workers take groups in the order of their first test (pytest_configure
+    # above), so the real-MaxText runs start at once on both workers and the seconds-long tests
+    # fill both workers' tails (measured on a whole run: the workers ended 11 s apart; dealt largest
+    # group first, the same tests would have left one worker idle for the last 161 s). A group goes
+    # where its costliest test would; the sort is stable, so files keep their order within a rank.
+    group_cost: dict[str, int] = {}
+    for item in items:
+        marker = item.get_closest_marker("xdist_group")
+        group = marker.kwargs.get("name", marker.args[0] if marker.args else "") if marker else item.nodeid
+        group_cost[group] = min(group_cost.get(group, 3), expected_cost(item))
+        item.stash[_GROUP_KEY] = group
+    items.sort(key=lambda item: group_cost[item.stash[_GROUP_KEY]])
 
 
 @pytest.hookimpl(optionalhook=True)
