@@ -51,8 +51,9 @@ def test_the_fine_tunes_page_lists_every_run_of_every_fine_tune_dag(start_airflo
         return {dag["dag_id"] for dag in airflow.get("/api/v2/dags?tags=fine-tune&limit=100")["dags"]}
 
     # start() waits for maxtext_sft's parse only; the dag-processor parses the other files after it.
-    wait_until(lambda: {"maxtext_sft_rehearsal", JOB} <= tagged(), 120, "the other fine-tune DAGs to be parsed")
-    assert tagged() == {"maxtext_sft", "maxtext_sft_rehearsal", JOB}
+    fine_tune_dags = {"maxtext_sft", "maxtext_sft_rehearsal", "maxtext_sft_slice", JOB}
+    wait_until(lambda: fine_tune_dags <= tagged(), 120, "the other fine-tune DAGs to be parsed")
+    assert tagged() == fine_tune_dags
 
     # Without a login the page sends the browser to log in; the plots answer 401.
     page = f"{airflow.url}/fine-tunes/"
