@@ -175,16 +175,8 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
 
     def poke(self, context):
         spec = self.run_spec
-        output: list[str] = []
         try:
-            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
-            with hook.get_conn():
-                hook.upload_scripts(script_files())
-                status, _ = hook.run_command(
-                    remote_command("training_status", spec),
-                    timeout=STEPS["training_status"].timeout_seconds(spec),
-                    on_line=output.append,
-                )
+            status, output = self._read_training_status(spec)
         except NotFound:
             return self._vm_gone(context, spec)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
@@ -199,7 +191,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
         output = [*output[:at], *output[at + 1 :], output[at]]
-        fields = dict(item.split("=", 1) for item in STATUS_LINE.match(output[-1]).group(1).split())
+        fields = _status_fields(output[-1])
         self._note_last_step(context, _number(fields.get("last_step")))
         self._prune_checkpoints(spec)
         for line in output[:-1]:
@@ -264,6 +256,19 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             f"Training {spec.run_name} on {spec.vm_name} ended without its final checkpoint "
             f"{spec.final_checkpoint_path} ({cause}); last log lines:\n" + "\n".join(tail)
         )
+
+    def _read_training_status(self, spec: RunSpec) -> tuple[int, list[str]]:
+        """Run training_status.sh on `spec`'s VM: its exit status and its lines, as they came."""
+        output: list[str] = []
+        hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
+        with hook.get_conn():
+            hook.upload_scripts(script_files())
+            status, _ = hook.run_command(
+                remote_command("training_status", spec),
+                timeout=STEPS["training_status"].timeout_seconds(spec),
+                on_line=output.append,
+            )
+        return status, output
 
     def _state(self, context, name: str) -> tuple[Any, str]:
         """(store, key) of what the sensor keeps across pokes under `name` (a clock's start, the
@@ -371,6 +376,11 @@ class _LocalStore(dict):
         self.pop(key, None)
 
 
+def _status_fields(line: str) -> dict[str, str]:
+    """The key=value fields of training_status.sh's status line."""
+    return dict(item.split("=", 1) for item in STATUS_LINE.match(line).group(1).split())
+
+
 def _exit_text(exit_code: str | None) -> str:
     """bash reports a process killed by signal N as exit code 128+N: name the signal."""
     text = f"exited with code {exit_code}"
@@ -452,24 +462,16 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
         return [death for death in on_every_host(others, self._worker_death, "training") if death] if others else []
 
     def _worker_death(self, spec: RunSpec) -> str | None:
-        output: list[str] = []
         try:
-            hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
-            with hook.get_conn():
-                hook.upload_scripts(script_files())
-                hook.run_command(
-                    remote_command("training_status", spec),
-                    timeout=STEPS["training_status"].timeout_seconds(spec),
-                    on_line=output.append,
-                )
+            _, output = self._read_training_status(spec)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             # Host 0's stall check still runs: a silent worker stops every host's steps.
             self.log.warning("Could not check training on host %s this time: %s", spec.vm_name, error)
             return None
-        status = next((m.group(1) for line in reversed(output) if (m := STATUS_LINE.match(line))), None)
+        status = next((line for line in reversed(output) if STATUS_LINE.match(line)), None)
         if status is None:
             return None
-        fields = dict(item.split("=", 1) for item in status.split())
+        fields = _status_fields(status)
         if fields.get("reason") == "no-training-started":
             return f"No training was ever started on host {spec.host_index} ({spec.vm_name})"
         if fields.get("state") == "failed":  # training_status.sh: exited non-zero, or killed unrecorded
