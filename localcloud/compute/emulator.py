@@ -2349,6 +2349,7 @@ class ControlApi:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # see localcloud/storage/server.py
     server_version = "localcloud-compute/1"
     emulator: ComputeEmulator  # set on the subclass made by make_server
     control: ControlApi

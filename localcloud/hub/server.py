@@ -686,6 +686,7 @@ def _iso_epoch(seconds: int) -> str:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # see localcloud/storage/server.py
     server_version = "localcloud-hub/1"
     hub: HubApi  # set on the subclass made by make_server
     control: ControlApi

@@ -598,6 +598,10 @@ def _reason(status: int) -> str:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: the response's headers and body go out as two writes, and with Nagle's algorithm
+    # the second waits for the client's delayed ACK (~40 ms a request). Measured: 100 uploads of
+    # 50 kB took 4.7 s, 0.33 s without; an Orbax checkpoint (~300 objects) took 14 s to save.
+    disable_nagle_algorithm = True
     server_version = "localcloud-storage/1"
     api: StorageApi  # set on the subclass made by make_server
 
