@@ -1,7 +1,7 @@
 """`make bench`: the figures a platform team asks for, each a ratio measured in this one invocation.
 
     python -m bench [--snapshots 4] [--capacity 2] [--steps 60] [--seconds-per-step 1.0]
-                    [--cold-image PROJECT/FAMILY] [--repeat-image PROJECT/FAMILY|baked] [--skip-parse-cost]
+                    [--cold-image PROJECT/FAMILY] [--repeat-image PROJECT/FAMILY|baked|none] [--skip-parse-cost]
 
 Starts a private PostgreSQL server, the local cloud (fast MaxText stand-in) and Airflow's
 components (api-server, scheduler, dag-processor, triggerer; LocalExecutor) on one declared job,
@@ -65,6 +65,7 @@ LOADER = f'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_jo
 BAKE_DAG_FILE = REPO / "dags" / "maxtext_sft_bake_image.py"
 BAKE_DAG_ID = "maxtext_sft_bake_image"
 BAKED = "baked"  # --repeat-image: bake the cold run's image first, then boot the baked family
+NO_REPEAT = "none"  # --repeat-image: no repeat run (the smallest bench: tests/bench/test_bench_run.py)
 RESERVATION = "bench-reservation"
 DATASET = f"{LOCAL_HUB_USER}/bench-chats"  # the local token's namespace, a commit per snapshot day
 OUTPUT_LOCATION = f"gs://{LOCAL_BUCKET}/bench"
@@ -81,6 +82,10 @@ GOAL_PARSE_SECONDS = 0.3
 
 def say(message: str) -> None:
     print(message, flush=True)
+
+
+class RunFailed(RuntimeError):
+    """A run the figures need ended failed: the bench stops (everything it started) and says why."""
 
 
 # ----- running the pipeline -------------------------------------------------------------------
@@ -171,7 +176,15 @@ def wait_for_runs(
 def trigger_and_wait(airflow: Airflow, conf: dict, timeout: float, what: str) -> dict:
     run_id = airflow.trigger(conf)
     [run] = wait_for_runs(airflow, lambda: [airflow.run(run_id)], 1, timeout, what)
+    if run["state"] != "success":
+        raise RunFailed(f"the {what} ({run_id}) failed: {why_failed(run)}")
     return run
+
+
+def why_failed(run: dict) -> str:
+    """A failed run's cause, as its note says it (the run-notes listener writes the first failed
+    task and its error there: maxtext_sft/run_notes.py)."""
+    return run.get("note") or "its run has no note; see its task logs"
 
 
 def patient(read, *args, tries: int = 3):
@@ -189,7 +202,8 @@ def patient(read, *args, tries: int = 3):
 def log_text(airflow: Airflow, run_id: str, task_id: str, try_number: int) -> str:
     """A task try's log as text (the REST API gives structured entries or lines)."""
     lines = []
-    for entry in patient(airflow.task_log, run_id, task_id, max(1, try_number)):
+    # A task that never ran (its run failed before it) has no log: the API answers 404.
+    for entry in patient(lambda: airflow.task_log(run_id, task_id, max(1, try_number), missing_ok=True)):
         lines.append(entry.get("event", "") if isinstance(entry, dict) else str(entry))
     return "\n".join(lines)
 
@@ -207,6 +221,7 @@ def collect_run(airflow: Airflow, cloud: LocalCloud, run: dict) -> dict:
     return {
         "run_id": run_id,
         "state": run["state"],
+        "note": run.get("note"),
         "start": figures.epoch(figures.parse_time(run["start_date"])),
         "end": figures.epoch(figures.parse_time(run["end_date"])),
         "vm_name": spec.get("vm_name"),
@@ -378,14 +393,18 @@ def build_rows(results: dict) -> list[dict]:
         ) if slots["capacity_held"] else "-",
     })
     repeat = results["repeat_over_cold"]
-    rows.append({
-        "figure": "repeat run's VM time / cold run's (same model, version, output location)",
-        "measured": ratio(repeat["measured"]) + (
-            f" ({repeat['repeat_seconds']:.1f} s / {repeat['cold_seconds']:.1f} s)" if repeat["measured"] else ""),
-        "goal": "no conversion, no install work on the repeat VM",
-        "met?": "yes" if repeat["goal_met"] else "NO",
-        "what the rest is spent on": repeat["detail"],
-    })
+    if repeat is None:
+        rows.append({"figure": "repeat run's VM time / cold run's", "measured": f"not measured (--repeat-image {NO_REPEAT})",
+                     "goal": "no conversion, no install work on the repeat VM", "met?": "-", "what the rest is spent on": "-"})
+    else:
+        rows.append({
+            "figure": "repeat run's VM time / cold run's (same model, version, output location)",
+            "measured": ratio(repeat["measured"]) + (
+                f" ({repeat['repeat_seconds']:.1f} s / {repeat['cold_seconds']:.1f} s)" if repeat["measured"] else ""),
+            "goal": "no conversion, no install work on the repeat VM",
+            "met?": "yes" if repeat["goal_met"] else "NO",
+            "what the rest is spent on": repeat["detail"],
+        })
     backfill = results.get("backfill")
     if backfill:
         rows.append({
@@ -486,8 +505,10 @@ def measure(args) -> dict:
         hf_token = new_hf_token()
         prepare_local_cloud(cloud, hf_token)
         cloud.add_reservation(RESERVATION, args.capacity, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+        # Each snapshot has both splits the pipeline's defaults read (Params dataset_split, eval_split).
         cloud.hub.seed_repo(DATASET, repo_type="dataset", commits=[
-            {"files": {"data/train_sft-00000-of-00001.parquet": f"chats of {day - timedelta(hours=12):%b %d}"},
+            {"files": {"data/train_sft-00000-of-00001.parquet": f"chats of {day - timedelta(hours=12):%b %d}",
+                       "data/test_sft-00000-of-00001.parquet": f"held-out chats of {day - timedelta(hours=12):%b %d}"},
              "date": (day - timedelta(hours=12)).isoformat()}
             for day in days
         ])
@@ -513,8 +534,10 @@ def measure(args) -> dict:
             results["bake_seconds"] = figures.epoch(figures.parse_time(baked["end_date"])) - figures.epoch(
                 figures.parse_time(baked["start_date"])
             )
-        say(f"Repeat run (image {image_name(args.repeat_image)}, same model, version and output location) ...")
-        repeat = collect_run(airflow, cloud, trigger_and_wait(airflow, image_conf(args.repeat_image), args.run_timeout, "repeat run"))
+        repeat = None
+        if args.repeat_image != NO_REPEAT:
+            say(f"Repeat run (image {image_name(args.repeat_image)}, same model, version and output location) ...")
+            repeat = collect_run(airflow, cloud, trigger_and_wait(airflow, image_conf(args.repeat_image), args.run_timeout, "repeat run"))
         backfill_runs = []
         if args.snapshots:
             say(f"Backfill of {args.snapshots} snapshots on a reservation of {args.capacity} ...")
@@ -527,18 +550,18 @@ def measure(args) -> dict:
 
         lives = figures.vm_lifetimes(cloud.requests(), compute_operations(cloud))
         stretches = figures.running_intervals(event_logs(airflow))
-        every_run = [cold, repeat, *backfill_runs]
+        every_run = [cold, *([repeat] if repeat else []), *backfill_runs]
         results.update({
             "runs": every_run,
             "vm_lifetimes": lives,
             "vms_left": [vm["name"] for vm in cloud.vms()],
             "billed_over_workload": billed_over_workload(cold, lives.get(cold["vm_name"])),
-            "billed_over_workload_repeat": billed_over_workload(repeat, lives.get(repeat["vm_name"])),
+            "billed_over_workload_repeat": billed_over_workload(repeat, lives.get(repeat["vm_name"])) if repeat else None,
             "worker_slots": worker_slots(every_run, stretches),
-            "repeat_over_cold": repeat_figure(cold, repeat, lives, args),
-            "backfill": backfill_figure(backfill_runs, repeat, lives, args) if backfill_runs else None,
+            "repeat_over_cold": repeat_figure(cold, repeat, lives, args) if repeat else None,
+            "backfill": backfill_figure(backfill_runs, repeat or cold, lives, args) if backfill_runs else None,
         })
-        if "bake_seconds" in results:
+        if "bake_seconds" in results and repeat:
             results["repeat_over_cold"]["detail"] += f"; the bake run took {results['bake_seconds']:.0f} s (once per version)"
     finally:
         if airflow:
@@ -565,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                         "install does the work; '': the local tutorial image, MaxText preinstalled)")
     parser.add_argument("--repeat-image", default=BAKED,
                         help=f"PROJECT/FAMILY the repeat run boots, or '{BAKED}' (default): bake the cold run's image "
-                        "first (maxtext_sft_bake_image) and boot the baked family")
+                        f"first (maxtext_sft_bake_image) and boot the baked family, or '{NO_REPEAT}': no repeat run")
     parser.add_argument("--parse-jobs", type=int, default=20, help="declared jobs in the parse-cost folder")
     parser.add_argument("--skip-parse-cost", action="store_true", help="leave the DAG processor figure out")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
@@ -576,14 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold_image == BAKED:
         parser.error(f"--cold-image {BAKED}: a bake needs a cold run's image to start from")
     for image in (args.cold_image, args.repeat_image):
-        if image and image != BAKED and image.count("/") != 1:
+        if image and image not in (BAKED, NO_REPEAT) and image.count("/") != 1:
             parser.error(f"an image is PROJECT/FAMILY, not {image!r}")
 
     # SIGTERM (a CI's timeout, `kill`) unwinds like Ctrl-C, so measure()'s cleanup stops Airflow,
     # the local cloud and PostgreSQL.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
-    results = measure(args)
+    try:
+        results = measure(args)
+    except RunFailed as failed:
+        say(f"The bench stopped: {failed}")
+        return 1
     rows = build_rows(results)
     results["table"] = rows
     results["seconds"] = time.monotonic() - started
@@ -591,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(results, indent=1, default=str))
     say("\n" + figures.format_table(rows))
     say(f"\n{results['seconds']:.0f} s in all; numbers behind the table: {args.json}")
+    for run in results["runs"]:
+        if run["state"] != "success":
+            say(f"Run {run['run_id']} failed: {run['note'] or 'no note; see its task logs'}")
     if results["vms_left"]:
         say(f"VMs left behind: {results['vms_left']}")
         return 1

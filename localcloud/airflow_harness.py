@@ -285,10 +285,13 @@ class Airflow:
         entry = self.get(path, missing_ok=True)
         return entry["value"] if entry else None
 
-    def task_log(self, run_id: str, task_id: str, try_number: int = 1, dag_id: str | None = None) -> list:
-        """A task try's log as the REST API gives it: structured entries (dicts) or lines."""
+    def task_log(self, run_id: str, task_id: str, try_number: int = 1, dag_id: str | None = None,
+                 missing_ok: bool = False) -> list:
+        """A task try's log as the REST API gives it: structured entries (dicts) or lines; with
+        missing_ok, none for a task that never ran (the API answers 404)."""
         path = f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
-        return self.get(f"{path}?full_content=true")["content"]
+        found = self.get(f"{path}?full_content=true", missing_ok=missing_ok)
+        return [] if found is None else found["content"]
 
     # ----- internals --------------------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""`make bench` cannot rot unseen: its smallest configuration runs here end to end (one cold run
+through Airflow's real scheduler on the local cloud), and a failed run stops the bench with the
+run's cause and a non-zero exit instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import run as bench
+from tests.conftest import REPO
+
+SMALLEST = ["--snapshots", "0", "--cold-image", "", "--repeat-image", bench.NO_REPEAT, "--steps", "5",
+            "--seconds-per-step", "0.05", "--skip-parse-cost", "--run-timeout", "300"]
+
+
+@pytest.mark.e2e
+def test_the_smallest_bench_runs_the_pipeline_and_prints_its_figures(tmp_path):
+    results = tmp_path / "bench-results.json"
+    done = subprocess.run([sys.executable, "-m", "bench", *SMALLEST, "--json", str(results)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    measured = json.loads(results.read_text())
+    [cold] = measured["runs"]
+    assert cold["state"] == "success" and measured["vms_left"] == []
+    # The run used the dataset's held-out split (Param eval_split's default), which the bench's
+    # dataset once lacked: preflight refused the cold run.
+    assert cold["conversion_did_work"] and cold["training"][0] is not None
+    figures = [row["figure"] for row in measured["table"]]
+    assert figures[0] == "VM billed time / workload time (cold run)" and len(figures) == 6
+    assert "VM billed time / workload time (cold run)" in done.stdout
+
+
+class FailedRunAirflow:
+    """What trigger_and_wait reads from Airflow's REST API for a run that failed."""
+
+    def trigger(self, conf):
+        return "manual__1"
+
+    def run(self, run_id, dag_id=None):
+        return {"dag_run_id": run_id, "state": "failed",
+                "note": "Failed at preflight: dataset x has no files data/test_sft-*.parquet"}
+
+    def task_states(self, run_id, dag_id=None):
+        return {"preflight": "failed"}
+
+
+def test_a_failed_run_stops_the_bench_with_its_note():
+    with pytest.raises(bench.RunFailed, match=r"cold run \(manual__1\) failed: Failed at preflight: dataset x"):
+        bench.trigger_and_wait(FailedRunAirflow(), {}, timeout=10, what="cold run")
+
+
+def test_a_failed_run_makes_the_bench_exit_non_zero_saying_why(monkeypatch, capsys, tmp_path):
+    def measure(args):
+        raise bench.RunFailed("the cold run (manual__1) failed: Failed at preflight")
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main([*SMALLEST, "--json", str(tmp_path / "r.json")]) == 1
+    assert "The bench stopped: the cold run (manual__1) failed: Failed at preflight" in capsys.readouterr().out
+    assert not (tmp_path / "r.json").exists()
