@@ -18,7 +18,7 @@ from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, task
 from airflow.sdk.exceptions import AirflowFailException
 from maxtext_sft.bake import BAKE_PARAMS, BakeSpec, baked_image, build_bake_spec
-from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, task_defaults
+from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, give_params_after_tasks, task_defaults
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.operators.compute import CreateImageOperator, CreateVmOperator, DeleteVmOperator, StopVmOperator
 from maxtext_sft.operators.vm_script import VmScriptOperator
@@ -87,12 +87,12 @@ def bake_image_dag(dag_id: str, *, doc_md: str | None = None) -> DAG:
         dag_id=dag_id,
         description="Install MaxText once into an image family; runs on that family skip the install",
         schedule=None,
-        params=bake_params(),
         tags=["maxtext", "image"],
         default_args=task_defaults(owner="ml-platform", on_failure_callback=record_failure),  # check_bake_outcome names the cause
         doc_md=doc_md or __doc__,
     ) as dag:
         _add_bake_tasks()
+    give_params_after_tasks(dag, bake_params())
     return dag
 
 

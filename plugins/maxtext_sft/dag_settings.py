@@ -28,6 +28,15 @@ def task_defaults(*, owner: str, **callbacks: Callable | list[Callable]) -> dict
     return {"retries": 2, "retry_delay": retry_delay(), "owner": owner, **callbacks}
 
 
+def give_params_after_tasks(dag, params: dict) -> None:
+    """Give the DAG its Params once its tasks exist. A task made inside a DAG that has Params gets
+    its own deep copy of them, and Airflow serializes (and validates) every task's copy: 15 copies
+    of ~50 Params were most of a pipeline DAG's parse (bench/dag_parse.py). Held by the DAG alone,
+    they are serialized once, and a task's context still has them all: Airflow merges the DAG's
+    Params into it at run time (airflow.sdk.definitions.param.process_params)."""
+    dag.params = params  # converted and validated as the DAG's constructor would
+
+
 def capacity_reads() -> dict[str, float]:
     """Airflow config [maxtext_sft] capacity_first_read_seconds (default 60) and
     capacity_poll_seconds (default 15): when the capacity gate's trigger reads a full reservation,

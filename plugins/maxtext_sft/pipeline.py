@@ -22,7 +22,14 @@ from typing import Any
 
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, TaskGroup, chain, task
-from maxtext_sft.dag_settings import GCP_CONN_ID, HF_CONN_ID, SSH_CONN_ID, capacity_reads, task_defaults
+from maxtext_sft.dag_settings import (
+    GCP_CONN_ID,
+    HF_CONN_ID,
+    SSH_CONN_ID,
+    capacity_reads,
+    give_params_after_tasks,
+    task_defaults,
+)
 from maxtext_sft.fine_tunes import FINE_TUNE_TAG
 from maxtext_sft.lineage import TUNED_MODEL
 from maxtext_sft.operators.compute import CreateVmOperator, DeleteVmOperator
@@ -89,7 +96,6 @@ def fine_tune_dag(
         max_active_runs=max_active_runs,
         max_consecutive_failed_dag_runs=max_consecutive_failed_dag_runs,  # 0: never pauses itself
         is_paused_upon_creation=is_paused_upon_creation,
-        params=params,
         tags=[*(tags or ["maxtext", "sft", "tpu"]), FINE_TUNE_TAG],  # the Fine-tunes page finds its DAGs by it
         on_failure_callback=on_failure_callback,  # the run failed: tell its owners
         # Each task's first start, end and tries, for the run summary (maxtext_sft.phase_timing);
@@ -103,6 +109,7 @@ def fine_tune_dag(
         doc_md=doc_md or __doc__,
     ) as dag:
         _add_fine_tune_tasks(rehearsal, tpu_slice)
+    give_params_after_tasks(dag, params)
     return dag
 
 

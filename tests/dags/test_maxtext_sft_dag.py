@@ -137,6 +137,17 @@ def test_params_cover_the_tutorial_with_its_defaults(dag):
     assert params["dataset_name"] == "HuggingFaceH4/ultrachat_200k"
 
 
+def test_the_params_are_serialized_once_held_by_the_dag_not_copied_into_each_task(dag):
+    """A task made inside a DAG with Params gets a copy of them all, which Airflow serializes and
+    validates per task: most of a parse (bench/dag_parse.py). The DAG holds them alone; a task's
+    context gets them from the DAG when it runs (the tests that run the DAG show that)."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    serialized = DagSerialization.to_dict(dag)["dag"]
+    assert {name for name, _ in serialized["params"]} == set(defaults())
+    assert [task["__var"]["task_id"] for task in serialized["tasks"] if "params" in task["__var"]] == []
+
+
 def test_the_summary_reads_the_tasks_the_dag_made_and_lists_phases_in_its_order(dag):
     from maxtext_sft.summarize import phase_order
 
