@@ -18,7 +18,7 @@ from tests.conftest import REPO
 from tests.dags.conftest import wait_for_run_end, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
-STEPS = 4  # each step costs a checkpoint save to gs:// (measured: 13 s of the 16 s a step takes)
+STEPS = 4  # each step saves a checkpoint to gs:// (several checkpoints, as a real run makes)
 
 @pytest.fixture(scope="module")
 def real_image(local_cloud):
