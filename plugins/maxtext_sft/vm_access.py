@@ -62,8 +62,30 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
     """
-    from maxtext_sft.hooks.os_login import os_login_username
     from maxtext_sft.hooks.vm_ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
+    target = ssh_target(spec, gcp_conn_id)
+    if target["proxy_command"]:
+        kwargs["host_proxy_cmd"] = target["proxy_command"]
+    hook = VmSSHHook(
+        ssh_conn_id=ssh_conn_id,
+        remote_host=target["host"],
+        host_keys=target["host_keys"],
+        conn_timeout=spec.ssh_connect_timeout_seconds,
+        **kwargs,
+    )
+    if target["username"]:
+        hook.username = target["username"]
+    return hook
+
+
+def ssh_target(spec: RunSpec, gcp_conn_id: str) -> dict[str, Any]:
+    """Where and how to reach the VM now: {host, host_keys (the only ones to accept), username
+    (OS Login's, else None: the connection's login), proxy_command (IAP's, else None)}.
+
+    Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
+    """
+    from maxtext_sft.hooks.os_login import os_login_username
 
     address = vm_address(spec, gcp_conn_id)
     keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
@@ -71,18 +93,12 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     )
     if not keys:
         raise HostKeysNotPublished(f"VM {spec.vm_name} has published no SSH host keys in its guest attributes yet")
-    if spec.ssh_via_iap:
-        kwargs["host_proxy_cmd"] = iap_tunnel_command(spec)
-    hook = VmSSHHook(
-        ssh_conn_id=ssh_conn_id,
-        remote_host=address,
-        host_keys=keys,
-        conn_timeout=spec.ssh_connect_timeout_seconds,
-        **kwargs,
-    )
-    if spec.os_login:
-        hook.username = os_login_username(gcp_conn_id, spec.ssh_public_key, spec.project_id)
-    return hook
+    return {
+        "host": address,
+        "host_keys": keys,
+        "username": os_login_username(gcp_conn_id, spec.ssh_public_key, spec.project_id) if spec.os_login else None,
+        "proxy_command": iap_tunnel_command(spec) if spec.ssh_via_iap else None,
+    }
 
 
 def iap_tunnel_command(spec: RunSpec) -> str:

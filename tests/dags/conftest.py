@@ -145,7 +145,7 @@ def wait_until(condition, timeout: float, what: str):
 
 def wait_for_training_watched(airflow, run_id: str) -> None:
     wait_until(
-        lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule"),
+        lambda: airflow.task_states(run_id).get("wait_for_final_checkpoint") in ("running", "up_for_reschedule", "deferred"),
         240,
         "training to be watched",
     )

@@ -27,11 +27,11 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("hooks", {
         "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",
-        "hooks.vm_ssh_common",
+        "hooks.vm_ssh_async", "hooks.vm_ssh_common",
     }),
     ("the VM and the cloud", {
         "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
-        "task_links", "triggers.slice", "slice_hosts",
+        "task_links", "triggers.slice", "triggers.training", "slice_hosts",
     }),
     ("tasks", {
         "operators.compute", "operators.slice", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",

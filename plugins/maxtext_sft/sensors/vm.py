@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from datetime import timedelta
@@ -11,26 +10,36 @@ from typing import Any
 from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
-from maxtext_sft.loss_curve import STEP_LINE, final_loss_text
+from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
+from maxtext_sft.loss_curve import final_loss_text
 from maxtext_sft.run_task import RunTaskOperator
-from maxtext_sft.sizing import prunable_steps
 from maxtext_sft.slice_hosts import NOT_RECOVERED, HostLog, check_hosts_running, on_every_host
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import (
     HostKeysNotPublished,
     SshLoginProbe,
+    ssh_target,
     start_autostop,
     transient_ssh_errors,
     vm_ssh_hook,
 )
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
+from maxtext_sft.triggers.training import (
+    STATUS_LINE,
+    TrainingStatusTrigger,
+    log_training_lines,
+    prune_checkpoints,
+    status_last,
+)
+from maxtext_sft.triggers.training import number as _number
+from maxtext_sft.triggers.training import status_fields as _status_fields
+from maxtext_sft.triggers.training import tail_start as _tail_start
 from maxtext_sft.vm_recovery import VmRecovery
 from maxtext_sft.vm_remake import SSH_WAIT_SECONDS, VmRemake
 from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 
-STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, or deleted by hand)"
 
 
@@ -67,10 +76,14 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
 class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     """Wait for the final checkpoint of the training started by start_training.sh.
 
-    Each poke is one short SSH call that returns the new training log lines (copied into this
+    Each check is one short SSH call that returns the new training log lines (copied into this
     task's log), the training process's state and exit code. With an output location, completion
     is taken from storage: the final step's Orbax commit marker, which is written after every
-    other file of the step. It runs in reschedule mode, so no worker slot is held in between. A
+    other file of the step. Deferrable (the default): the worker checks once, then the checks go
+    on on the triggerer (`TrainingStatusTrigger`), which hands back to the worker only what needs
+    it (the training ended, stalled or never started; the VM unanswering, gone or stopped; the
+    timeout), so no worker slot is held and no task process started between checks. With
+    deferrable=False it pokes in reschedule mode, a task process per poke. A
     training process that ended without its final checkpoint fails the sensor at once, with the
     log's tail. A VM lost mid-training (gone, or answering no SSH for unreachable_timeout_seconds)
     is recreated and the training resumed from the latest durable checkpoint, a bounded number
@@ -85,12 +98,14 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         hf_conn_id: str,
         capacity_poll_seconds: float = CAPACITY_POLL_SECONDS,
         capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS,
+        deferrable: bool = True,
         **kwargs,
     ):
         kwargs.setdefault("mode", "reschedule")
         super().__init__(ssh_conn_id=ssh_conn_id, hf_conn_id=hf_conn_id, **kwargs)
         self.capacity_poll_seconds = capacity_poll_seconds
         self.capacity_first_read_seconds = capacity_first_read_seconds
+        self.deferrable = deferrable
 
     def _recovery(self, spec: RunSpec) -> VmRecovery:
         return VmRecovery(
@@ -124,7 +139,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             self.defer(trigger=trigger, method_name="resume_after_capacity_wait")
 
     def resume_after_capacity_wait(self, context, event: dict | None = None):
-        """Back from the capacity trigger (a machine free, or its deadline): poke again, which
+        """Back from the capacity trigger (a machine free, or its deadline): check again, which
         recreates the VM or fails past max_capacity_wait_minutes."""
         self.log.info("Back from the capacity wait: %s", event)
         return self.execute(context)
@@ -171,7 +186,103 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         spec = self.run_spec
         self.poke_interval = float(spec.poke_interval_seconds)
         self.timeout = timedelta(hours=spec.training_timeout_hours).total_seconds()
-        return super().execute(context)
+        if not self.deferrable:
+            return super().execute(context)
+        return self._check(context)
+
+    # ----- deferrable: a check on the worker, then the triggerer's until one needs the worker -----
+
+    def _deadline(self, context) -> float:
+        """When this try's wait times out (training_timeout_hours): from its first check, as a
+        reschedule-mode sensor's timeout runs from its try's first poke."""
+        ti = context.get("ti")
+        return self._clock_start(context, f"watch_since_try{getattr(ti, 'try_number', 0)}") + self.timeout
+
+    def _timed_out(self, context) -> AirflowSensorTimeout:
+        spec = self.run_spec
+        return AirflowSensorTimeout(
+            f"Training {spec.run_name} on {spec.vm_name} not finished after {self.timeout:.0f} s "
+            f"(training_timeout_hours={spec.training_timeout_hours})"
+        )
+
+    def _check(self, context):
+        """One check on the worker, as a poke (it uploads the step scripts the trigger runs), then
+        the wait goes on on the triggerer."""
+        if time.time() >= self._deadline(context):
+            raise self._timed_out(context)
+        return self._done_or_defer(context, self.poke(context))
+
+    def _done_or_defer(self, context, result):
+        if isinstance(result, PokeReturnValue):
+            if result.is_done:
+                return result.xcom_value
+        elif result:
+            return None
+        self._defer_to_status_trigger(context)
+
+    def _defer_to_status_trigger(self, context) -> None:
+        spec = self.run_spec
+        try:
+            target = ssh_target(spec, self.gcp_conn_id)
+        except (NotFound, HostKeysNotPublished, *transient_ssh_errors()) as error:
+            # Gone, or booting, since the check: the next check on the worker finds out which.
+            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger  # not at parse time
+
+            self.log.info("VM %s has no SSH target now (%s): checking again in %.0f s", spec.vm_name, error,
+                          self.poke_interval)
+            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.poke_interval)), method_name="resume_check")
+        trigger = TrainingStatusTrigger(
+            ssh_conn_id=self.ssh_conn_id,
+            **target,  # host, host_keys (the only ones accepted), username, proxy_command
+            command=remote_command("training_status", spec),
+            command_timeout=STEPS["training_status"].timeout_seconds(spec),
+            connect_timeout=spec.ssh_connect_timeout_seconds,
+            vm_name=spec.vm_name,
+            run_name=spec.run_name,
+            project_id=spec.project_id,
+            zone=spec.zone,
+            gcp_conn_id=self.gcp_conn_id,
+            poll_interval=self.poke_interval,
+            stall_timeout_seconds=spec.stall_timeout_seconds,
+            deadline=self._deadline(context),
+            unreachable_deadline=self._unreachable_deadline(context, spec),
+            checkpoints_dir=spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
+            checkpoints_kept=spec.checkpoints_kept,
+        )
+        self.defer(trigger=trigger, method_name="resume_after_status")
+
+    def resume_check(self, context, event: dict | None = None):
+        """After a pause with no SSH target: check on the worker again."""
+        return self._check(context)
+
+    def resume_after_status(self, context, event: dict):
+        """Back from the status trigger with what needs the worker (see triggers/training.py)."""
+        spec = self.run_spec
+        if event.get("answered"):
+            self._stop_clock(context, "unreachable_since")
+            self._stop_clock(context, "new_vm_since")
+        self._note_last_step(context, event.get("last_step"))
+        kind = event["status"]
+        if kind == "timeout":
+            raise self._timed_out(context)
+        if kind == "refused":
+            raise (HostKeyMismatch if event["kind"] == "host_key" else LoginRefused)(event["message"])
+        if kind == "unreachable":
+            result = self._unreachable(context, spec, event["error"])
+        else:
+            result = self._judge(context, spec, event["exit_status"], event["output"], logged=True)
+        return self._done_or_defer(context, result)
+
+    def _unreachable_deadline(self, context, spec: RunSpec) -> float | None:
+        """Until when an unanswering VM is polled without the worker: the bound `_unreachable`
+        started (a recreated VM's boot, or unreachable_timeout_seconds), None if none runs."""
+        store, key = self._state(context, "new_vm_since")
+        if (booting_since := store.get(key)) is not None:
+            return booting_since + SSH_WAIT_SECONDS
+        store, key = self._state(context, "unreachable_since")
+        if (since := store.get(key)) is not None:
+            return since + spec.unreachable_timeout_seconds
+        return None
 
     def poke(self, context):
         spec = self.run_spec
@@ -182,22 +293,23 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.warning("Could not check training on %s this time: %s", spec.vm_name, error)
             return self._unreachable(context, spec, error)
+        return self._judge(context, spec, status, output)
+
+    def _judge(self, context, spec: RunSpec, status: int, output: list[str], *, logged: bool = False):
+        """The check's answer from what training_status.sh printed (its exit `status`, its
+        lines): the poke's own read, or the trigger's (which `logged` the lines already)."""
         self._stop_clock(context, "unreachable_since")
         self._stop_clock(context, "new_vm_since")
-        # stdout and stderr come over separate SSH channels: a stderr line may follow the status
-        # line. The status goes last, every other line is the training's.
-        at = next((i for i in range(len(output) - 1, -1, -1) if STATUS_LINE.match(output[i])), None)
-        if status != 0 or at is None:
+        ordered = status_last(output)  # the status line last, every other line the training's
+        if status != 0 or ordered is None:
             self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
             return False
-        output = [*output[:at], *output[at + 1 :], output[at]]
+        output = ordered
         fields = _status_fields(output[-1])
         self._note_last_step(context, _number(fields.get("last_step")))
         self._prune_checkpoints(spec)
-        for line in output[:-1]:
-            self.log.info("%s", line)
-            if progress := STEP_LINE.search(line):
-                self.log.info("training progress: step %s, loss %s", *progress.groups())
+        if not logged:
+            log_training_lines(self.log, output[:-1])
         state = fields.get("state")
         if fields.get("reason") == "no-training-started":
             recovery = self._recovery(spec)
@@ -337,15 +449,9 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         postpones it to the next poke."""
         if not spec.durable or spec.checkpoints_kept is None:
             return
-        try:
-            storage = StorageEndpointHook(gcp_conn_id=self.gcp_conn_id)
-            for step in prunable_steps(storage.committed_steps(spec.checkpoints_dir), spec.checkpoints_kept):
-                deleted = storage.delete_folder(f"{spec.checkpoints_dir}/{step}")
-                self.log.info(
-                    "Deleted checkpoint step %s (%s objects): checkpoints_kept=%s", step, deleted, spec.checkpoints_kept
-                )
-        except Exception as error:  # noqa: BLE001 - housekeeping: the training is what this task watches
-            self.log.warning("Could not prune old checkpoints in %s this time: %s", spec.checkpoints_dir, error)
+        prune_checkpoints(
+            lambda: StorageEndpointHook(gcp_conn_id=self.gcp_conn_id), spec.checkpoints_dir, spec.checkpoints_kept, self.log
+        )
 
     def _lost_with_its_vm(self, context, spec: RunSpec) -> bool:
         """Whether a training seen ended died with its VM rather than on its own: the instance is
@@ -376,11 +482,6 @@ class _LocalStore(dict):
         self.pop(key, None)
 
 
-def _status_fields(line: str) -> dict[str, str]:
-    """The key=value fields of training_status.sh's status line."""
-    return dict(item.split("=", 1) for item in STATUS_LINE.match(line).group(1).split())
-
-
 def _exit_text(exit_code: str | None) -> str:
     """bash reports a process killed by signal N as exit code 128+N: name the signal."""
     text = f"exited with code {exit_code}"
@@ -390,22 +491,6 @@ def _exit_text(exit_code: str | None) -> str:
         except ValueError:
             pass
     return text
-
-
-def _tail_start(output: list[str]) -> int:
-    for index in range(len(output) - 1, -1, -1):
-        if output[index].startswith("--- tail of "):
-            return index + 1
-    return max(0, len(output) - 41)
-
-
-def _number(text: str | None) -> float | int | None:
-    if text in (None, "none"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
 
 
 class SliceSshReadySensor(VmSshReadySensor):
@@ -443,7 +528,14 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
     marker in storage), and every other host's training process: one that died, or a host gone,
     fails the run at once, naming the host and the end of its log. One host's death ends every
     host's training (JAX's coordination service aborts the others), so when host 0's ended too,
-    the hosts whose process died on its own are named first: they are the cause."""
+    the hosts whose process died on its own are named first: they are the cause.
+
+    Not deferrable (yet): its trigger would have to watch every host, not host 0 only; it pokes
+    in reschedule mode."""
+
+    def __init__(self, **kwargs):
+        kwargs["deferrable"] = False
+        super().__init__(**kwargs)
 
     def poke(self, context):
         check_hosts_running(self.host_specs, self.gcp_conn_id)

@@ -1,0 +1,285 @@
+"""Watch a training on the triggerer: training_status.sh over SSH, every poll, until the worker is needed.
+
+Each poll opens one SSH connection to the VM (hooks/vm_ssh_async.py: asyncssh, only the host keys
+the VM published are accepted), runs training_status.sh (uploaded by the worker before it
+deferred; it gets no secret) and logs its new lines and each step's loss: a deferred task's
+triggerer log is part of its task log. With `checkpoints_kept`, each poll also deletes the
+committed checkpoints older than the newest ones kept.
+
+Events (one, then the trigger ends); each carries `last_step` (the last step seen, or None) and
+`answered` (whether some poll reached the VM):
+  {"status": "training", "exit_status": S, "output": [...]}   the training ended (succeeded,
+      exited, failed), stalled past stall_timeout_seconds, or was never started: the worker judges
+      it. `output` is the tail the judgement needs (the failure's "--- tail", else the last 40
+      lines), the status line last; every line was logged here already.
+  {"status": "unreachable", "error": ...}   no SSH answer, and no bound was running (the worker
+      starts one after asking the Compute API about the VM), or the bound `unreachable_deadline`
+      passed, or the Compute API says the VM is gone or TERMINATED
+  {"status": "refused", "kind": "host_key" | "login", "message": ...}   not the VM's host key,
+      or its sshd refused the login: the worker fails the task, as VmSSHHook's errors do
+  {"status": "timeout"}   `deadline` (training_timeout_hours) passed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+from maxtext_sft.loss_curve import STEP_LINE
+from maxtext_sft.sizing import prunable_steps
+
+STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
+TAIL_MARKER = "--- tail of "
+TAIL_LINES = 40
+
+
+def status_fields(line: str) -> dict[str, str]:
+    """The key=value fields of training_status.sh's status line."""
+    return dict(item.split("=", 1) for item in STATUS_LINE.match(line).group(1).split())
+
+
+def number(text: str | None) -> float | int | None:
+    if text in (None, "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def status_last(output: list[str]) -> list[str] | None:
+    """training_status.sh's lines with its status line last, or None without one. stdout and
+    stderr come over separate SSH channels: a stderr line may follow the status line."""
+    at = next((i for i in range(len(output) - 1, -1, -1) if STATUS_LINE.match(output[i])), None)
+    if at is None:
+        return None
+    return [*output[:at], *output[at + 1 :], output[at]]
+
+
+def tail_start(output: list[str]) -> int:
+    for index in range(len(output) - 1, -1, -1):
+        if output[index].startswith(TAIL_MARKER):
+            return index + 1
+    return max(0, len(output) - TAIL_LINES - 1)
+
+
+def needs_the_worker(fields: dict[str, str], stall_timeout_seconds: float) -> bool:
+    """Whether a status is for the worker to act on: anything but a training running and stepping."""
+    if fields.get("reason") == "no-training-started" or fields.get("state") != "running":
+        return True
+    return (number(fields.get("idle_seconds")) or 0) > stall_timeout_seconds
+
+
+def log_training_lines(log: Any, lines: list[str]) -> None:
+    """The training's new log lines, and each step's loss."""
+    for line in lines:
+        log.info("%s", line)
+        if progress := STEP_LINE.search(line):
+            log.info("training progress: step %s, loss %s", *progress.groups())
+
+
+def prune_checkpoints(storage: Callable[[], Any], checkpoints_dir: str, kept: int, log: Any) -> None:
+    """Keep the newest `kept` committed checkpoints in storage (`storage()` makes the storage
+    hook), deleting older ones (MaxText 0.2.2's train_sft keeps every one:
+    sizing.prunable_steps). A storage error only postpones it to the next check."""
+    try:
+        hook = storage()
+        for step in prunable_steps(hook.committed_steps(checkpoints_dir), kept):
+            deleted = hook.delete_folder(f"{checkpoints_dir}/{step}")
+            log.info("Deleted checkpoint step %s (%s objects): checkpoints_kept=%s", step, deleted, kept)
+    except Exception as error:  # noqa: BLE001 - housekeeping: the training is what is watched
+        log.warning("Could not prune old checkpoints in %s this time: %s", checkpoints_dir, error)
+
+
+class TrainingStatusTrigger(BaseTrigger):
+    """Poll training_status.sh on the VM every `poll_interval` (the first after `first_poll_after`)."""
+
+    def __init__(
+        self,
+        *,
+        ssh_conn_id: str,
+        host: str,
+        host_keys: dict[str, str],
+        command: str,
+        vm_name: str,
+        run_name: str,
+        project_id: str,
+        zone: str,
+        gcp_conn_id: str,
+        poll_interval: float,
+        stall_timeout_seconds: float,
+        deadline: float,
+        username: str | None = None,
+        proxy_command: str | None = None,
+        connect_timeout: float = 30,
+        command_timeout: float = 120,
+        first_poll_after: float | None = None,
+        unreachable_deadline: float | None = None,
+        checkpoints_dir: str | None = None,
+        checkpoints_kept: int | None = None,
+    ):
+        super().__init__()
+        self.ssh_conn_id = ssh_conn_id
+        self.host = host
+        self.host_keys = dict(host_keys)
+        self.command = command
+        self.vm_name = vm_name
+        self.run_name = run_name
+        self.project_id = project_id
+        self.zone = zone
+        self.gcp_conn_id = gcp_conn_id
+        self.poll_interval = float(poll_interval)
+        self.stall_timeout_seconds = float(stall_timeout_seconds)
+        self.deadline = float(deadline)
+        self.username = username
+        self.proxy_command = proxy_command
+        self.connect_timeout = float(connect_timeout)
+        self.command_timeout = float(command_timeout)
+        self.first_poll_after = self.poll_interval if first_poll_after is None else float(first_poll_after)
+        self.unreachable_deadline = None if unreachable_deadline is None else float(unreachable_deadline)
+        self.checkpoints_dir = checkpoints_dir
+        self.checkpoints_kept = checkpoints_kept
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "ssh_conn_id": self.ssh_conn_id,
+                "host": self.host,
+                "host_keys": self.host_keys,
+                "command": self.command,
+                "vm_name": self.vm_name,
+                "run_name": self.run_name,
+                "project_id": self.project_id,
+                "zone": self.zone,
+                "gcp_conn_id": self.gcp_conn_id,
+                "poll_interval": self.poll_interval,
+                "stall_timeout_seconds": self.stall_timeout_seconds,
+                "deadline": self.deadline,
+                "username": self.username,
+                "proxy_command": self.proxy_command,
+                "connect_timeout": self.connect_timeout,
+                "command_timeout": self.command_timeout,
+                "first_poll_after": self.first_poll_after,
+                "unreachable_deadline": self.unreachable_deadline,
+                "checkpoints_dir": self.checkpoints_dir,
+                "checkpoints_kept": self.checkpoints_kept,
+            },
+        )
+
+    def _hook(self):
+        from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
+
+        return VmSSHHookAsync(
+            ssh_conn_id=self.ssh_conn_id,
+            host=self.host,
+            host_keys=self.host_keys,
+            username=self.username,
+            connect_timeout=self.connect_timeout,
+            proxy_command=self.proxy_command,
+        )
+
+    async def _read(self) -> tuple[int, list[str]]:
+        """One connection, one run of training_status.sh: its exit status and lines (stderr merged)."""
+        import asyncssh
+
+        async with await self._hook().get_conn() as conn:
+            result = await conn.run(self.command, stderr=asyncssh.STDOUT, check=False, timeout=self.command_timeout)
+        text = result.stdout or ""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        status = result.exit_status if result.exit_status is not None else -1
+        return status, [line.rstrip("\r") for line in text.splitlines()]
+
+    def _vm_status(self) -> str | None:
+        """The instance's status, None when it is gone; blocking, so run in a thread."""
+        from google.api_core.exceptions import NotFound
+
+        from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+
+        try:
+            return ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id).get_instance(
+                resource_id=self.vm_name, project_id=self.project_id, zone=self.zone
+            ).status
+        except NotFound:
+            return None
+
+    async def _vm_lost(self) -> bool:
+        """Whether the Compute API says the unanswering VM is gone or stopped (a read that fails
+        says nothing: the bound still applies)."""
+        try:
+            status = await asyncio.to_thread(self._vm_status)
+        except Exception as error:  # noqa: BLE001 - the next poll asks again
+            self.log.warning("Could not read the status of VM %s: %s", self.vm_name, error)
+            return False
+        if status in (None, "TERMINATED"):
+            self.log.warning("VM %s is %s", self.vm_name, status or "gone")
+            return True
+        return False
+
+    def _prune(self) -> None:
+        from maxtext_sft.hooks.storage import StorageEndpointHook
+
+        prune_checkpoints(
+            lambda: StorageEndpointHook(gcp_conn_id=self.gcp_conn_id), self.checkpoints_dir, self.checkpoints_kept, self.log
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import asyncssh
+
+        unreachable = (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
+        answered, last_step = False, None
+        unreachable_deadline = self.unreachable_deadline
+        pause = self.first_poll_after
+        while True:
+            await asyncio.sleep(max(0.0, min(pause, self.deadline - time.time())))
+            pause = self.poll_interval
+            if time.time() >= self.deadline:
+                yield TriggerEvent({"status": "timeout", "last_step": last_step, "answered": answered})
+                return
+            try:
+                status, output = await self._read()
+            except asyncssh.HostKeyNotVerifiable as error:
+                message = (
+                    f"SSH host key of {self.host} is not one the VM {self.vm_name} published in its guest "
+                    f"attributes (hostkeys/): refusing to connect ({error})"
+                )
+                yield TriggerEvent({"status": "refused", "kind": "host_key", "message": message, "last_step": last_step,
+                                    "answered": answered})
+                return
+            except asyncssh.PermissionDenied as error:
+                message = f"{self.host} refused the SSH login with the connection's key: {error}"
+                yield TriggerEvent({"status": "refused", "kind": "login", "message": message, "last_step": last_step,
+                                    "answered": answered})
+                return
+            except unreachable as error:
+                text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                self.log.warning("Could not check training on %s this time: %s", self.vm_name, text)
+                if unreachable_deadline is None or time.time() >= unreachable_deadline or await self._vm_lost():
+                    yield TriggerEvent({"status": "unreachable", "error": text, "last_step": last_step,
+                                        "answered": answered})
+                    return
+                continue
+            answered, unreachable_deadline = True, None
+            ordered = status_last(output)
+            if status != 0 or ordered is None:
+                self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
+                continue
+            fields = status_fields(ordered[-1])
+            last_step = number(fields.get("last_step"))
+            log_training_lines(self.log, ordered[:-1])
+            if needs_the_worker(fields, self.stall_timeout_seconds):
+                start = max(0, tail_start(ordered) - 1)  # with the "--- tail" line, for the worker's tail_start
+                yield TriggerEvent({"status": "training", "exit_status": status, "output": ordered[start:],
+                                    "last_step": last_step, "answered": True})
+                return
+            self.log.info(
+                "Training %s: state %s, last step %s, loss %s",
+                self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
+            )
+            if self.checkpoints_dir and self.checkpoints_kept is not None:
+                await asyncio.to_thread(self._prune)

@@ -1,0 +1,212 @@
+"""TrainingStatusTrigger against a real sshd VM of the local cloud: the event for each outcome of a
+training (faked on the VM as start_training.sh leaves it: a pid file, train.log, an exit code),
+the pinned host key, an unanswering VM and its bound, the timeout; and its serialization."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import shlex
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
+from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.hooks.vm_ssh import VmSSHHook
+from maxtext_sft.spec import build_run_spec
+from maxtext_sft.triggers.training import TrainingStatusTrigger
+from maxtext_sft.vm_steps import remote_command, script_files
+
+SSH_CONN_ID = "maxtext_sft_vm_ssh"
+GCP_CONN_ID = "google_cloud_default"
+
+
+@pytest.fixture(scope="module")
+def vm(pipeline_connections, local_cloud):
+    """One VM made from a RunSpec's insert body (the pipeline's own key and user), the step
+    scripts uploaded: (spec, address, host keys, a paramiko hook to it)."""
+    from airflow.providers.ssh.hooks.ssh import SSHHook
+
+    key = SSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="unused").pkey
+    spec = build_run_spec(
+        {"reservation": LOCAL_RUN_CONF["reservation"], "project_id": LOCAL_PROJECT, "steps": 5},
+        dag_id="trigger_tests",
+        run_id=f"manual__{time.time()}",
+        generation=0,
+        started=datetime.now(timezone.utc),
+        default_project_id=None,
+        ssh_user="maxtext",
+        ssh_public_key=f"{key.get_name()} {key.get_base64()}",
+    )
+    compute = ComputeEngineEndpointHook(gcp_conn_id=GCP_CONN_ID)
+    where = {"zone": spec.zone, "project_id": spec.project_id}
+    compute.insert_instance(body=spec.instance_body(), **where)
+    try:
+        address = compute.get_instance_address(resource_id=spec.vm_name, **where)
+        deadline = time.monotonic() + 60
+        while not (keys := compute.get_host_keys(resource_id=spec.vm_name, **where)):
+            assert time.monotonic() < deadline, "no host keys published"
+            time.sleep(0.5)  # polling interval: the guest agent publishes them after boot
+        hook = VmSSHHook(ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=keys, conn_timeout=10)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with hook.get_conn():
+                    hook.upload_scripts(script_files())
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the VM's sshd did not answer"
+                time.sleep(0.5)  # polling interval: sshd starts with the VM
+        yield spec, address, keys, hook
+    finally:
+        compute.delete_instance(resource_id=spec.vm_name, **where)
+
+
+def run_on_vm(hook: VmSSHHook, script: str) -> None:
+    with hook.get_conn():
+        status, tail = hook.run_command(f"bash -c {shlex.quote(script)}", timeout=60, on_line=lambda _: None)
+    assert status == 0, tail
+
+
+def job_dir(spec) -> str:
+    work_dir = spec.work_dir.replace("~", "$HOME", 1) if spec.work_dir.startswith("~") else spec.work_dir
+    return f"{work_dir}/maxtext-sft-runs/{spec.run_name}"
+
+
+def fake_training(spec, hook, *, steps: int, alive: bool, exit_code: int | None, tail: str = "", first: int = 1) -> None:
+    """The files start_training.sh keeps for a training: its pid, its log (steps `first` to
+    `steps`; from 1 a new training, else appended), its exit code."""
+    lines = "\n".join(f"completed step: {n}, seconds: 1.0, loss: {2.0 - n / 10:.2f}" for n in range(first, steps + 1))
+    script = f"""
+        set -e
+        dir="{job_dir(spec)}"
+        if [ {first} = 1 ]; then rm -rf "$dir"; fi
+        mkdir -p "$dir"
+        printf '%s\\n' {shlex.quote(lines + tail)} >>"$dir/train.log"
+        if [ {'yes' if alive else 'no'} = yes ]; then
+            nohup sleep 600 >/dev/null 2>&1 &
+            echo $! >"$dir/pid"
+        else
+            echo 999999 >"$dir/pid"
+        fi
+    """
+    if exit_code is not None:
+        script += f'echo {exit_code} >"$dir/exit_code"\n'
+        if exit_code == 0:
+            script += f'mkdir -p {shlex.quote(spec.checkpoints_dir)}/{spec.steps}/model_params\n'
+    run_on_vm(hook, script)
+
+
+def trigger_for(spec, address, keys, **overrides) -> TrainingStatusTrigger:
+    kwargs = dict(
+        ssh_conn_id=SSH_CONN_ID,
+        host=address,
+        host_keys=keys,
+        command=remote_command("training_status", spec),
+        vm_name=spec.vm_name,
+        run_name=spec.run_name,
+        project_id=spec.project_id,
+        zone=spec.zone,
+        gcp_conn_id=GCP_CONN_ID,
+        poll_interval=0.2,
+        first_poll_after=0,
+        stall_timeout_seconds=3600,
+        deadline=time.time() + 60,
+        connect_timeout=5,
+    )
+    return TrainingStatusTrigger(**{**kwargs, **overrides})
+
+
+def first_event(trigger: TrainingStatusTrigger, timeout: float = 60) -> dict:
+    async def first():
+        return await asyncio.wait_for(anext(trigger.run()), timeout)
+
+    return asyncio.run(first()).payload
+
+
+def test_serialize_round_trip():
+    trigger = TrainingStatusTrigger(
+        ssh_conn_id="ssh", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, command="bash x", vm_name="vm",
+        run_name="run", project_id="p", zone="z", gcp_conn_id="gcp", poll_interval=30, stall_timeout_seconds=900,
+        deadline=1234.5, username="sa_1", proxy_command="gcloud ...", unreachable_deadline=99.0,
+        checkpoints_dir="gs://b/c", checkpoints_kept=2,
+    )
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "maxtext_sft.triggers.training.TrainingStatusTrigger"
+    again = TrainingStatusTrigger(**kwargs)
+    assert again.serialize() == (classpath, kwargs)
+    assert kwargs["first_poll_after"] == 30  # a poll interval after the worker's own check
+
+
+def test_a_running_training_is_logged_and_watched_until_it_succeeds(vm, capsys):
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=3, alive=True, exit_code=None)
+
+    async def watch():
+        events = trigger_for(spec, address, keys).run()
+        waiting = asyncio.ensure_future(anext(events))
+        done, _ = await asyncio.wait({waiting}, timeout=3)
+        assert not done, "an event while the training runs"
+        await asyncio.to_thread(fake_training, spec, hook, steps=5, alive=False, exit_code=0, first=4)
+        return (await asyncio.wait_for(waiting, 30)).payload
+
+    capsys.readouterr()
+    event = asyncio.run(watch())
+    assert event["status"] == "training" and event["exit_status"] == 0
+    assert event["output"][-1].startswith("MAXTEXT_SFT_STATUS state=succeeded exit_code=0 last_step=5 ")
+    assert event["last_step"] == 5 and event["answered"] is True
+    logged = capsys.readouterr().out  # the trigger's log: the triggerer ships it to the task's log
+    progress = re.findall(r"training progress: step \d+, loss [0-9.]+", logged)
+    assert progress == [f"training progress: step {n}, loss {2.0 - n / 10:.2f}" for n in range(1, 6)]  # each once
+    assert f"Training {spec.run_name}: state running, last step 3," in logged
+
+
+def test_a_crashed_training_comes_back_with_its_tail(vm):
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=4, alive=False, exit_code=1, tail="\nTraceback (most recent call last):\nBoom")
+    event = first_event(trigger_for(spec, address, keys))
+    assert event["status"] == "training"
+    assert event["output"][0].startswith("--- tail of ")
+    assert "Traceback (most recent call last):" in event["output"] and "Boom" in event["output"]
+    assert event["output"][-1].startswith("MAXTEXT_SFT_STATUS state=failed exit_code=1 last_step=4 ")
+
+
+def test_no_training_started_and_a_stall_go_to_the_worker(vm):
+    spec, address, keys, hook = vm
+    run_on_vm(hook, f'rm -rf "{job_dir(spec)}"')
+    event = first_event(trigger_for(spec, address, keys))
+    assert event["status"] == "training" and "reason=no-training-started" in event["output"][-1]
+
+    fake_training(spec, hook, steps=2, alive=True, exit_code=None)
+    event = first_event(trigger_for(spec, address, keys, stall_timeout_seconds=-1))
+    assert event["status"] == "training" and "state=running" in event["output"][-1]
+
+
+def test_a_host_key_other_than_the_published_one_is_refused(vm):
+    spec, address, keys, hook = vm
+    wrong = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00\x20" + bytes(range(32))).decode()
+    event = first_event(trigger_for(spec, address, {"ssh-ed25519": wrong}))
+    assert event["status"] == "refused" and event["kind"] == "host_key", event
+    assert "refusing to connect" in event["message"]
+
+
+def test_an_unanswering_vm_goes_to_the_worker_at_once_then_at_its_bound(vm, local_cloud):
+    spec, address, keys, hook = vm
+    nobody = "127.0.0.254"  # nothing listens there
+    event = first_event(trigger_for(spec, nobody, keys))
+    assert event["status"] == "unreachable" and event["answered"] is False and event["error"], event
+
+    started = time.time()
+    event = first_event(trigger_for(spec, nobody, keys, unreachable_deadline=started + 2))
+    assert event["status"] == "unreachable"
+    assert time.time() - started >= 2  # polled on while the VM is RUNNING, until the bound
+
+
+def test_the_training_timeout_ends_the_wait(vm):
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=1, alive=True, exit_code=None)
+    event = first_event(trigger_for(spec, address, keys, deadline=time.time() + 1))
+    assert event == {"status": "timeout", "last_step": 1, "answered": True}
