@@ -48,3 +48,10 @@ def capacity_reads() -> dict[str, float]:
         ),
         "capacity_poll_seconds": conf.getfloat("maxtext_sft", "capacity_poll_seconds", fallback=CAPACITY_POLL_SECONDS),
     }
+
+
+def training_wait_deferrable() -> bool:
+    """Airflow config [maxtext_sft] training_wait_deferrable (default true): whether
+    wait_for_final_checkpoint defers to the triggerer between its checks, or pokes in reschedule
+    mode (a task process per check)."""
+    return conf.getboolean("maxtext_sft", "training_wait_deferrable", fallback=True)

@@ -29,6 +29,7 @@ from maxtext_sft.dag_settings import (
     capacity_reads,
     give_params_after_tasks,
     task_defaults,
+    training_wait_deferrable,
 )
 from maxtext_sft.fine_tunes import FINE_TUNE_TAG
 from maxtext_sft.lineage import TUNED_MODEL
@@ -254,7 +255,9 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
     # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries); a
     # slice's lost host fails the run (slice_hosts.py).
     wait_for_final_checkpoint = (SliceTrainingSensor if tpu_slice else TrainingCheckpointSensor)(
-        task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **hosts, **step_connections
+        task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **hosts, **step_connections,
+        # The slice's sensor pokes in reschedule mode (its checks read every host).
+        **({} if tpu_slice else {"deferrable": training_wait_deferrable()}),
     )
 
     # 5. Convert MaxText -> Hugging Face (on host 0); the model card and the run record go next to it.

@@ -169,12 +169,14 @@ def _task_process(ti_id: str) -> int | None:
     {
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_SECONDS),
         "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+        # The training sensor in reschedule mode: deferred, no worker pokes mid-training.
+        "AIRFLOW__MAXTEXT_SFT__TRAINING_WAIT_DEFERRABLE": "false",
     }
 )
 def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local_cloud):
     """SIGKILL the worker and the task process while the sensor's poke waits for the VM's (frozen)
-    sshd: the scheduler fails the try by its missing heartbeat, the retry watches on, the run
-    succeeds and the VM is deleted."""
+    sshd (the sensor in reschedule mode, as the slice's is): the scheduler fails the try by its
+    missing heartbeat, the retry watches on, the run succeeds and the VM is deleted."""
     from localcloud.connections import LOCAL_RUN_CONF
 
     fault_tally.fault_injected()

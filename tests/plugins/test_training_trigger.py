@@ -131,7 +131,7 @@ def test_serialize_round_trip():
     trigger = TrainingStatusTrigger(
         ssh_conn_id="ssh", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, command="bash x", vm_name="vm",
         run_name="run", project_id="p", zone="z", gcp_conn_id="gcp", poll_interval=30, stall_timeout_seconds=900,
-        deadline=1234.5, username="sa_1", proxy_command="gcloud ...", unreachable_deadline=99.0,
+        deadline=1234.5, username="sa_1", proxy_command="gcloud ...", unreachable_deadline=99.0, first_event_after=60,
         checkpoints_dir="gs://b/c", checkpoints_kept=2,
     )
     classpath, kwargs = trigger.serialize()
@@ -177,8 +177,10 @@ def test_a_crashed_training_comes_back_with_its_tail(vm):
 def test_no_training_started_and_a_stall_go_to_the_worker(vm):
     spec, address, keys, hook = vm
     run_on_vm(hook, f'rm -rf "{job_dir(spec)}"')
-    event = first_event(trigger_for(spec, address, keys))
+    started = time.monotonic()
+    event = first_event(trigger_for(spec, address, keys, first_event_after=2))
     assert event["status"] == "training" and "reason=no-training-started" in event["output"][-1]
+    assert time.monotonic() - started >= 2  # held until the executor has reported the deferral
 
     fake_training(spec, hook, steps=2, alive=True, exit_code=None)
     event = first_event(trigger_for(spec, address, keys, stall_timeout_seconds=-1))

@@ -248,6 +248,9 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             unreachable_deadline=self._unreachable_deadline(context, spec),
             checkpoints_dir=spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
             checkpoints_kept=spec.checkpoints_kept,
+            # An event waits out the executor's report of this deferral, as the capacity trigger's
+            # first read does (apache/airflow#72716): [maxtext_sft] capacity_first_read_seconds.
+            first_event_after=self.capacity_first_read_seconds,
         )
         self.defer(trigger=trigger, method_name="resume_after_status")
 

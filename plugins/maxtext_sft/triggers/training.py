@@ -18,6 +18,9 @@ Events (one, then the trigger ends); each carries `last_step` (the last step see
   {"status": "refused", "kind": "host_key" | "login", "message": ...}   not the VM's host key,
       or its sshd refused the login: the worker fails the task, as VmSSHHook's errors do
   {"status": "timeout"}   `deadline` (training_timeout_hours) passed
+No event leaves before `first_event_after` seconds from the trigger's start: Airflow 3.3 fails a
+resumed try that is already running when the executor's report of the deferral arrives
+(apache/airflow#72716), so the event waits that report out (the polls and their log lines do not).
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ class TrainingStatusTrigger(BaseTrigger):
         unreachable_deadline: float | None = None,
         checkpoints_dir: str | None = None,
         checkpoints_kept: int | None = None,
+        first_event_after: float = 0,
     ):
         super().__init__()
         self.ssh_conn_id = ssh_conn_id
@@ -143,6 +147,7 @@ class TrainingStatusTrigger(BaseTrigger):
         self.unreachable_deadline = None if unreachable_deadline is None else float(unreachable_deadline)
         self.checkpoints_dir = checkpoints_dir
         self.checkpoints_kept = checkpoints_kept
+        self.first_event_after = float(first_event_after)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -168,6 +173,7 @@ class TrainingStatusTrigger(BaseTrigger):
                 "unreachable_deadline": self.unreachable_deadline,
                 "checkpoints_dir": self.checkpoints_dir,
                 "checkpoints_kept": self.checkpoints_kept,
+                "first_event_after": self.first_event_after,
             },
         )
 
@@ -229,9 +235,16 @@ class TrainingStatusTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        payload = await self._watch()
+        await asyncio.sleep(max(0.0, started + self.first_event_after - time.monotonic()))
+        yield TriggerEvent(payload)
+
+    async def _watch(self) -> dict[str, Any]:
+        """Poll until something needs the worker: the event's payload."""
         import asyncssh
 
-        unreachable = (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
+        unreachable = (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)  # the VM did not answer
         answered, last_step = False, None
         unreachable_deadline = self.unreachable_deadline
         pause = self.first_poll_after
@@ -239,8 +252,7 @@ class TrainingStatusTrigger(BaseTrigger):
             await asyncio.sleep(max(0.0, min(pause, self.deadline - time.time())))
             pause = self.poll_interval
             if time.time() >= self.deadline:
-                yield TriggerEvent({"status": "timeout", "last_step": last_step, "answered": answered})
-                return
+                return {"status": "timeout", "last_step": last_step, "answered": answered}
             try:
                 status, output = await self._read()
             except asyncssh.HostKeyNotVerifiable as error:
@@ -248,21 +260,17 @@ class TrainingStatusTrigger(BaseTrigger):
                     f"SSH host key of {self.host} is not one the VM {self.vm_name} published in its guest "
                     f"attributes (hostkeys/): refusing to connect ({error})"
                 )
-                yield TriggerEvent({"status": "refused", "kind": "host_key", "message": message, "last_step": last_step,
-                                    "answered": answered})
-                return
+                return {"status": "refused", "kind": "host_key", "message": message, "last_step": last_step,
+                        "answered": answered}
             except asyncssh.PermissionDenied as error:
                 message = f"{self.host} refused the SSH login with the connection's key: {error}"
-                yield TriggerEvent({"status": "refused", "kind": "login", "message": message, "last_step": last_step,
-                                    "answered": answered})
-                return
+                return {"status": "refused", "kind": "login", "message": message, "last_step": last_step,
+                        "answered": answered}
             except unreachable as error:
                 text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
                 self.log.warning("Could not check training on %s this time: %s", self.vm_name, text)
                 if unreachable_deadline is None or time.time() >= unreachable_deadline or await self._vm_lost():
-                    yield TriggerEvent({"status": "unreachable", "error": text, "last_step": last_step,
-                                        "answered": answered})
-                    return
+                    return {"status": "unreachable", "error": text, "last_step": last_step, "answered": answered}
                 continue
             answered, unreachable_deadline = True, None
             ordered = status_last(output)
@@ -274,9 +282,8 @@ class TrainingStatusTrigger(BaseTrigger):
             log_training_lines(self.log, ordered[:-1])
             if needs_the_worker(fields, self.stall_timeout_seconds):
                 start = max(0, tail_start(ordered) - 1)  # with the "--- tail" line, for the worker's tail_start
-                yield TriggerEvent({"status": "training", "exit_status": status, "output": ordered[start:],
-                                    "last_step": last_step, "answered": True})
-                return
+                return {"status": "training", "exit_status": status, "output": ordered[start:],
+                        "last_step": last_step, "answered": True}
             self.log.info(
                 "Training %s: state %s, last step %s, loss %s",
                 self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
