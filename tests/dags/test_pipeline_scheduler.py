@@ -285,6 +285,9 @@ def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_work
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["vm_recoveries"] == 1
+    # The training trigger's log lines (it watched steps on the triggerer) are in the task's log.
+    sensor_log = json.dumps(airflow.task_log(run_id, "wait_for_final_checkpoint"))
+    assert "TrainingStatusTrigger" in sensor_log and "training progress: step 8, loss" in sensor_log, sensor_log[-3000:]
 
     rows = measure(AirflowApi(airflow.url, airflow.token), "maxtext_sft", run_id, "google_cloud_default")
     print(report(rows))

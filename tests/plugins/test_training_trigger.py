@@ -212,3 +212,11 @@ def test_the_training_timeout_ends_the_wait(vm):
     fake_training(spec, hook, steps=1, alive=True, exit_code=None)
     event = first_event(trigger_for(spec, address, keys, deadline=time.time() + 1))
     assert event == {"status": "timeout", "last_step": 1, "answered": True}
+
+
+def test_without_the_step_scripts_the_worker_checks(vm):
+    """A VM recreated since the worker uploaded the scripts has none: the worker's check uploads them."""
+    spec, address, keys, hook = vm
+    command = remote_command("training_status", spec).replace("training_status.sh", "no_such_script.sh")
+    event = first_event(trigger_for(spec, address, keys, command=command))
+    assert event["status"] == "no_status" and event["exit_status"] != 0 and event["answered"] is True, event

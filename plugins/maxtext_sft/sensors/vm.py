@@ -270,6 +270,10 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             raise self._timed_out(context)
         if kind == "refused":
             raise (HostKeyMismatch if event["kind"] == "host_key" else LoginRefused)(event["message"])
+        if kind == "no_status":
+            self.log.warning("training_status.sh gave no status on the triggerer (exit %s): %s; checking from the "
+                             "worker, which uploads the step scripts", event["exit_status"], event["output"])
+            return self._check(context)
         if kind == "unreachable":
             result = self._unreachable(context, spec, event["error"])
         else:

@@ -12,6 +12,9 @@ Events (one, then the trigger ends); each carries `last_step` (the last step see
       exited, failed), stalled past stall_timeout_seconds, or was never started: the worker judges
       it. `output` is the tail the judgement needs (the failure's "--- tail", else the last 40
       lines), the status line last; every line was logged here already.
+  {"status": "no_status", "exit_status": S, "output": [...]}   the script printed no status line:
+      not there (a VM recreated since the worker uploaded the step scripts), or broken; the worker
+      checks itself, which uploads the scripts
   {"status": "unreachable", "error": ...}   no SSH answer, and no bound was running (the worker
       starts one after asking the Compute API about the VM), or the bound `unreachable_deadline`
       passed, or the Compute API says the VM is gone or TERMINATED
@@ -276,7 +279,8 @@ class TrainingStatusTrigger(BaseTrigger):
             ordered = status_last(output)
             if status != 0 or ordered is None:
                 self.log.warning("training_status.sh gave no status (exit %s): %s", status, output[-5:])
-                continue
+                return {"status": "no_status", "exit_status": status, "output": output[-5:], "last_step": last_step,
+                        "answered": True}
             fields = status_fields(ordered[-1])
             last_step = number(fields.get("last_step"))
             log_training_lines(self.log, ordered[:-1])
