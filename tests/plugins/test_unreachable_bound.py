@@ -221,3 +221,72 @@ def test_wait_for_ssh_is_done_at_once_for_a_vm_gone_or_stopped(recoveries, monke
     spec = make_spec()
     sensor = sensors.VmSshReadySensor(task_id="wait_for_ssh", spec=spec.to_dict(), gcp_conn_id="gcp", ssh_conn_id="ssh")
     assert sensor.poke({}) is True
+
+
+# ----- the deferrable sensor: what it does with each event of its status trigger ------------------
+
+TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "proxy_command": None}
+
+
+@pytest.fixture
+def status_events(monkeypatch, clock, recoveries):
+    """The sensor's resume from a status trigger's event: it re-defers (TaskDeferred) or ends."""
+    monkeypatch.setattr(sensors, "ssh_target", lambda spec, gcp_conn_id: TARGET)
+
+    def resume(spec, store, event):
+        return fresh_sensor(spec).resume_after_status(poke_context(store), {"last_step": None, **event})
+
+    return resume
+
+
+def test_an_unanswering_vm_is_watched_on_by_the_trigger_until_its_bound(clock, status_events):
+    spec = make_spec(unreachable_timeout_seconds=600)
+    store = StateStore()
+    with pytest.raises(TaskDeferred) as deferred:
+        status_events(spec, store, {"status": "unreachable", "error": "OSError: refused", "answered": False})
+    assert store["unreachable_since_g0"] == 1_000  # the clock started; the trigger polls on until its bound
+    assert store["watch_since_try0_g0"] == 1_000  # and training_timeout_hours from the first check
+    trigger = deferred.value.trigger
+    assert trigger.unreachable_deadline == 1_600 and trigger.host == "10.0.0.2"
+    assert trigger.host_keys == TARGET["host_keys"]  # the VM's published keys, the only ones accepted
+
+    clock.now = 1_100  # the VM answered in between, then went silent again: a new clock
+    with pytest.raises(TaskDeferred) as deferred:
+        status_events(spec, store, {"status": "unreachable", "error": "OSError: refused", "answered": True})
+    assert store["unreachable_since_g0"] == 1_100 and deferred.value.trigger.unreachable_deadline == 1_700
+    assert deferred.value.trigger.deadline == 1_000 + spec.training_timeout_hours * 3600
+
+
+def test_a_crash_seen_by_the_trigger_fails_the_sensor_with_its_tail(status_events, recoveries, monkeypatch):
+    monkeypatch.setattr(TrainingCheckpointSensor, "_vm_status", lambda self, spec: "RUNNING")
+    spec = make_spec()
+    store = StateStore()
+    output = ["--- tail of train.log", "Traceback (most recent call last):", "ValueError: boom",
+              "MAXTEXT_SFT_STATUS state=failed exit_code=1 last_step=6 last_loss=2.1 out_of_data=no idle_seconds=3"]
+    with pytest.raises(AirflowFailException, match="training exited with code 1 after step 6") as failed:
+        status_events(spec, store, {"status": "training", "exit_status": 0, "output": output, "last_step": 6,
+                                    "answered": True})
+    assert "ValueError: boom" in str(failed.value)
+    assert store == {"last_step_g0": 6}
+
+
+def test_a_finished_training_seen_by_the_trigger_is_the_sensors_result(status_events, recoveries):
+    spec = make_spec()  # no output location: the final checkpoint on the VM, as the script reports
+    output = ["MAXTEXT_SFT_STATUS state=succeeded exit_code=0 last_step=40 last_loss=1.5 out_of_data=no idle_seconds=1"]
+    result = status_events(spec, StateStore(), {"status": "training", "exit_status": 0, "output": output,
+                                                "last_step": 40, "answered": True})
+    assert result == {"final_step": 40, "final_loss": "1.5", "final_checkpoint": spec.final_checkpoint_path,
+                      "vm_recoveries": 0}
+
+
+def test_a_refused_key_or_login_and_the_timeout_fail_the_sensor(status_events):
+    from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
+    from airflow.sdk.exceptions import AirflowSensorTimeout
+
+    spec = make_spec()
+    with pytest.raises(HostKeyMismatch, match="not one the VM"):
+        status_events(spec, StateStore(), {"status": "refused", "kind": "host_key", "message": "not one the VM"})
+    with pytest.raises(LoginRefused, match="refused the SSH login"):
+        status_events(spec, StateStore(), {"status": "refused", "kind": "login", "message": "refused the SSH login"})
+    with pytest.raises(AirflowSensorTimeout, match="training_timeout_hours"):
+        status_events(spec, StateStore(), {"status": "timeout"})

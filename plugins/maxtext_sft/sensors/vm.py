@@ -182,10 +182,15 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         )
         return PokeReturnValue(is_done=True, xcom_value=result)
 
-    def execute(self, context):
+    def _take_spec_timings(self) -> None:
+        """The check interval and the timeout are the run's (poke_interval_seconds,
+        training_timeout_hours): set at every start of a task process, a resume from a trigger too."""
         spec = self.run_spec
         self.poke_interval = float(spec.poke_interval_seconds)
         self.timeout = timedelta(hours=spec.training_timeout_hours).total_seconds()
+
+    def execute(self, context):
+        self._take_spec_timings()
         if not self.deferrable:
             return super().execute(context)
         return self._check(context)
@@ -256,10 +261,12 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
 
     def resume_check(self, context, event: dict | None = None):
         """After a pause with no SSH target: check on the worker again."""
+        self._take_spec_timings()
         return self._check(context)
 
     def resume_after_status(self, context, event: dict):
         """Back from the status trigger with what needs the worker (see triggers/training.py)."""
+        self._take_spec_timings()
         spec = self.run_spec
         if event.get("answered"):
             self._stop_clock(context, "unreachable_since")
