@@ -113,6 +113,8 @@ def test_tags_retries_and_waiting_modes(dag):
         if task.task_id in ("vm_lease", "summarize_run", "check_run_outcome"):
             continue
         assert task.retries >= 1, task.task_id  # plan_run too: the Hub may be briefly unwell
+    # Deferred to the triggerer between its checks; reschedule mode with training_wait_deferrable=false.
+    assert dag.get_task("wait_for_final_checkpoint").deferrable is True
     assert dag.get_task("wait_for_final_checkpoint").mode == "reschedule"
     assert dag.dagrun_timeout is None  # a run timeout would skip the delete (apache/airflow#30264)
 
