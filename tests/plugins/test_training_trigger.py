@@ -220,3 +220,19 @@ def test_without_the_step_scripts_the_worker_checks(vm):
     command = remote_command("training_status", spec).replace("training_status.sh", "no_such_script.sh")
     event = first_event(trigger_for(spec, address, keys, command=command))
     assert event["status"] == "no_status" and event["exit_status"] != 0 and event["answered"] is True, event
+
+
+def test_a_byte_that_is_not_utf8_is_logged_replaced_and_the_vm_stays_answered(vm, capsys):
+    """A training line with bytes that are not UTF-8 (a progress bar's, a library's) is logged with
+    U+FFFD, as the workers' checks log it: the check is not lost (the script's cursor has passed
+    its lines), nor taken for one without a status."""
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=2, alive=True, exit_code=None)
+    run_on_vm(hook, rf"""printf 'bar \377\376 50%%\ncompleted step: 3, seconds: 1.0, loss: 1.70\n' >>"{job_dir(spec)}/train.log" """)
+    capsys.readouterr()
+    event = first_event(trigger_for(spec, address, keys, stall_timeout_seconds=-1))
+    assert event["status"] == "training" and event["answered"] is True, event
+    logged = capsys.readouterr().out
+    assert "bar \ufffd\ufffd 50%" in logged
+    assert "training progress: step 3, loss 1.70" in logged
+

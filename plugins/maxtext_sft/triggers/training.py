@@ -196,13 +196,16 @@ class TrainingStatusTrigger(BaseTrigger):
         """One connection, one run of training_status.sh: its exit status and lines (stderr merged)."""
         import asyncssh
 
-        async with await self._hook().get_conn() as conn:
-            result = await conn.run(self.command, stderr=asyncssh.STDOUT, check=False, timeout=self.command_timeout)
-        text = result.stdout or ""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
+        async with await self._hook().get_conn() as conn:  # closed on leaving, a cancelled check's too
+            # A byte that is not UTF-8 is replaced, as the workers' VmSSHHook reads lines: asyncssh's
+            # strict decoding fails the read (no status line), and the lines of this check, which
+            # the script's cursor has already passed, would never be logged.
+            result = await conn.run(
+                self.command, stderr=asyncssh.STDOUT, check=False, timeout=self.command_timeout,
+                encoding="utf-8", errors="replace",
+            )
         status = result.exit_status if result.exit_status is not None else -1
-        return status, [line.rstrip("\r") for line in text.splitlines()]
+        return status, [line.rstrip("\r") for line in (result.stdout or "").splitlines()]
 
     def _vm_status(self) -> str | None:
         """The instance's status, None when it is gone; blocking, so run in a thread."""
