@@ -236,3 +236,41 @@ def test_a_byte_that_is_not_utf8_is_logged_replaced_and_the_vm_stays_answered(vm
     assert "bar \ufffd\ufffd 50%" in logged
     assert "training progress: step 3, loss 1.70" in logged
 
+
+def test_each_check_closes_its_connection_and_a_cancelled_trigger_its_open_one(vm, monkeypatch):
+    """One SSH connection per check, closed after it; the triggerer cancelling the trigger (its
+    task cleared or marked, the triggerer stopping) mid-check closes the one open and ends it."""
+    from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
+
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=2, alive=True, exit_code=None)
+    connect = VmSSHHookAsync.get_conn
+
+    async def closed(conn) -> bool:
+        try:
+            await asyncio.wait_for(conn.wait_closed(), 5)
+        except TimeoutError:
+            return False
+        return True
+
+    async def watch_then_cancel():
+        opened, third = [], asyncio.Event()
+
+        async def recorded(self):
+            conn = await connect(self)
+            opened.append(conn)
+            if len(opened) == 3:
+                third.set()
+            return conn
+
+        monkeypatch.setattr(VmSSHHookAsync, "get_conn", recorded)
+        waiting = asyncio.ensure_future(anext(trigger_for(spec, address, keys).run()))
+        await asyncio.wait_for(third.wait(), 30)  # the third check has its connection open
+        assert [await closed(conn) for conn in opened[:2]] == [True, True]  # the checks before it closed theirs
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await closed(opened[2])
+        return len(opened)
+
+    assert asyncio.run(watch_then_cancel()) == 3  # no check after the cancel

@@ -6,6 +6,9 @@ max_capacity_wait_minutes; then the run fails)."""
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
 
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
@@ -290,3 +293,20 @@ def test_a_refused_key_or_login_and_the_timeout_fail_the_sensor(status_events):
         status_events(spec, StateStore(), {"status": "refused", "kind": "login", "message": "refused the SSH login"})
     with pytest.raises(AirflowSensorTimeout, match="training_timeout_hours"):
         status_events(spec, StateStore(), {"status": "timeout"})
+
+
+def test_the_trigger_holds_plain_values_and_no_secret(status_events):
+    """What the triggerer is given (the trigger's kwargs, stored in Airflow's database): plain JSON
+    values, the SSH and Google connections' ids, the status script's command line: nothing of the
+    Hugging Face connection, whose token only the steps that need it take."""
+    from maxtext_sft.vm_steps import STEPS
+
+    spec = make_spec()
+    with pytest.raises(TaskDeferred) as deferred:
+        status_events(spec, StateStore(), {"status": "unreachable", "error": "OSError: refused", "answered": False})
+    _, kwargs = deferred.value.trigger.serialize()
+    assert json.loads(json.dumps(kwargs)) == kwargs
+    assert (kwargs["ssh_conn_id"], kwargs["gcp_conn_id"]) == ("ssh", "gcp")
+    assert CONNECTIONS["hf_conn_id"] not in kwargs.values()
+    assert shlex.split(kwargs["command"])[1].endswith("/training_status.sh")
+    assert STEPS["training_status"].needs_hf_token is False
