@@ -61,3 +61,11 @@ def test_a_failed_run_makes_the_bench_exit_non_zero_saying_why(monkeypatch, caps
     assert bench.main([*SMALLEST, "--json", str(tmp_path / "r.json")]) == 1
     assert "The bench stopped: the cold run (manual__1) failed: Failed at preflight" in capsys.readouterr().out
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_training_wait_row_says_how_each_stretch_on_a_worker_ended():
+    # A deferrable wait's stretches are its checks before a deferral and its resumption, not
+    # reschedule-mode pokes: the row once called every stretch a poke.
+    text = bench.sensor_stretches_text({"deferred": 2, "success": 1})
+    assert text.startswith("3 stretches of wait_for_final_checkpoint on a worker (2 ending deferred, 1 ending success)")
+    assert bench.sensor_stretches_text({}) == "-"
