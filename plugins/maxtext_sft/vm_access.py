@@ -79,20 +79,33 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     return hook
 
 
-def ssh_target(spec: RunSpec, gcp_conn_id: str) -> dict[str, Any]:
+def published_host_keys(gcp_conn_id: str, vm_name: str, zone: str, project_id: str) -> dict[str, str]:
+    """The SSH host keys VM `vm_name` published, the only ones to accept; raises
+    HostKeysNotPublished before its guest agent ran (blocking: a trigger runs it in a thread)."""
+    keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
+        resource_id=vm_name, zone=zone, project_id=project_id
+    )
+    if not keys:
+        raise HostKeysNotPublished(f"VM {vm_name} has published no SSH host keys in its guest attributes yet")
+    return keys
+
+
+def ssh_target(spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = True) -> dict[str, Any]:
     """Where and how to reach the VM now: {host, host_keys (the only ones to accept), username
     (OS Login's, else None: the connection's login), proxy_command (IAP's, else None)}.
 
-    Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
+    Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran (without
+    `host_keys_required`, host_keys is then empty: a trigger reads them when they are published).
     """
     from maxtext_sft.hooks.os_login import os_login_username
 
     address = vm_address(spec, gcp_conn_id)
-    keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
-        resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
-    )
-    if not keys:
-        raise HostKeysNotPublished(f"VM {spec.vm_name} has published no SSH host keys in its guest attributes yet")
+    try:
+        keys = published_host_keys(gcp_conn_id, spec.vm_name, spec.zone, spec.project_id)
+    except HostKeysNotPublished:
+        if host_keys_required:
+            raise
+        keys = {}
     return {
         "host": address,
         "host_keys": keys,
@@ -123,12 +136,13 @@ class SshLoginProbe:
     first refusal, then fails naming what may refuse it. Keep one probe for one wait.
     """
 
-    def __init__(self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any):
+    def __init__(self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any, *, first_refused: float | None = None):
         self.spec = spec
         self.gcp_conn_id = gcp_conn_id
         self.ssh_conn_id = ssh_conn_id
         self.log = log
-        self.first_refused: float | None = None
+        # When a login was first refused (epoch seconds: a deferred wait's next process goes on from it).
+        self.first_refused = first_refused
         self.last_unreachable: BaseException | None = None  # why the VM last did not answer
 
     def __call__(self) -> bool:
@@ -138,7 +152,7 @@ class SshLoginProbe:
             with hook.get_conn():
                 status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
         except LoginRefused as refused:
-            return self._refused(refused)
+            return self.judge_refusal(refused)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
             self.last_unreachable = error
@@ -147,25 +161,12 @@ class SshLoginProbe:
 
     def unreachable_reason(self, seconds: float) -> str:
         """Why the VM answered no SSH login for `seconds`, naming what to fix."""
-        spec, error = self.spec, self.last_unreachable
-        how = (
-            "through IAP (a firewall rule must allow tcp:22 from 35.235.240.0/20)" if spec.ssh_via_iap
-            else "at its internal IP" if spec.use_internal_ip else "at its external IP"
-        )
-        head = f"VM {spec.vm_name} answered no SSH login for {seconds:.0f} s (ssh_ready_timeout_seconds), reached {how}"
-        if isinstance(error, HostKeysNotPublished):
-            return f"{head}: its guest agent published no host keys (guest attributes): {error}"
-        text = f"{type(error).__name__}: {error}" if error else "no answer"
-        if "refused" in text.lower() or isinstance(error, ConnectionRefusedError):
-            why = "port 22 refused the connection: nothing listens, or a firewall rejects it"
-        else:
-            why = "the connection did not complete: a firewall drops it, or there is no route to the VM"
-        return (
-            f"{head}: {why} ({text}). Check for a VPC firewall rule on network {spec.network} allowing "
-            f"tcp:22 from the workers' addresses to the network tag {spec.network_tag}."
-        )
+        error = self.last_unreachable
+        return unreachable_reason(self.spec, seconds, type(error).__name__ if error else None, str(error or ""))
 
-    def _refused(self, refused: LoginRefused) -> bool:
+    def judge_refusal(self, refused: LoginRefused) -> bool:
+        """A refused login (this probe's, or a trigger's): raises LoginRefused when OS Login is on
+        for a run without it, or past LOGIN_GRACE_SECONDS from the first refusal; else False."""
         spec = self.spec
         os_login = ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id).os_login_enabled(
             resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id
@@ -177,7 +178,7 @@ class SshLoginProbe:
                 "run's key. Set the Param os_login to log in through OS Login as the Google connection's "
                 "account (roles/compute.osAdminLogin), or disable OS Login for these VMs."
             ) from None
-        now = time.monotonic()
+        now = time.time()
         self.first_refused = self.first_refused or now
         if now - self.first_refused < LOGIN_GRACE_SECONDS:
             self.log.info("VM %s refused the login, maybe before its guest agent made the user: %s", spec.vm_name, refused)
@@ -194,6 +195,27 @@ class SshLoginProbe:
                 "this account cannot read it): then set the Param os_login."
             )
         raise LoginRefused(f"{refused} (for {LOGIN_GRACE_SECONDS} s). {why}") from None
+
+
+def unreachable_reason(spec: RunSpec, seconds: float, error_type: str | None, error: str) -> str:
+    """Why `spec`'s VM answered no SSH login for `seconds`, naming what to fix, from the last error
+    that said it did not answer (its type's name and text: a trigger's event carries them)."""
+    how = (
+        "through IAP (a firewall rule must allow tcp:22 from 35.235.240.0/20)" if spec.ssh_via_iap
+        else "at its internal IP" if spec.use_internal_ip else "at its external IP"
+    )
+    head = f"VM {spec.vm_name} answered no SSH login for {seconds:.0f} s (ssh_ready_timeout_seconds), reached {how}"
+    if error_type == HostKeysNotPublished.__name__:
+        return f"{head}: its guest agent published no host keys (guest attributes): {error}"
+    text = f"{error_type}: {error}" if error_type else "no answer"
+    if "refused" in text.lower() or error_type == ConnectionRefusedError.__name__:
+        why = "port 22 refused the connection: nothing listens, or a firewall rejects it"
+    else:
+        why = "the connection did not complete: a firewall drops it, or there is no route to the VM"
+    return (
+        f"{head}: {why} ({text}). Check for a VPC firewall rule on network {spec.network} allowing "
+        f"tcp:22 from the workers' addresses to the network tag {spec.network_tag}."
+    )
 
 
 def run_vm_step(
