@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     }),
     ("the VM and the cloud", {
         "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
-        "task_links", "triggers.slice", "triggers.training", "slice_hosts",
+        "task_links", "triggers.slice", "triggers.vm_ssh", "triggers.training",
+        "slice_hosts",
     }),
     ("tasks", {
         "operators.compute", "operators.slice", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",

@@ -100,27 +100,29 @@ def fake_training(spec, hook, *, steps: int, alive: bool, exit_code: int | None,
     run_on_vm(hook, script)
 
 
-def trigger_for(spec, address, keys, **overrides) -> TrainingStatusTrigger:
-    kwargs = dict(
+def vm_ssh_kwargs(spec, address, keys) -> dict:
+    """A VM SSH trigger's arguments for the test VM: quick polls, a minute's deadline."""
+    return dict(
         ssh_conn_id=SSH_CONN_ID,
         host=address,
         host_keys=keys,
-        command=remote_command("training_status", spec),
         vm_name=spec.vm_name,
-        run_name=spec.run_name,
         project_id=spec.project_id,
         zone=spec.zone,
         gcp_conn_id=GCP_CONN_ID,
         poll_interval=0.2,
         first_poll_after=0,
-        stall_timeout_seconds=3600,
         deadline=time.time() + 60,
         connect_timeout=5,
     )
-    return TrainingStatusTrigger(**{**kwargs, **overrides})
 
 
-def first_event(trigger: TrainingStatusTrigger, timeout: float = 60) -> dict:
+def trigger_for(spec, address, keys, **overrides) -> TrainingStatusTrigger:
+    kwargs = dict(command=remote_command("training_status", spec), run_name=spec.run_name, stall_timeout_seconds=3600)
+    return TrainingStatusTrigger(**{**vm_ssh_kwargs(spec, address, keys), **kwargs, **overrides})
+
+
+def first_event(trigger, timeout: float = 60) -> dict:
     async def first():
         return await asyncio.wait_for(anext(trigger.run()), timeout)
 
@@ -187,10 +189,13 @@ def test_no_training_started_and_a_stall_go_to_the_worker(vm):
     assert event["status"] == "training" and "state=running" in event["output"][-1]
 
 
+# An Ed25519 key the test VM's sshd does not have.
+WRONG_KEY = {"ssh-ed25519": base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00\x20" + bytes(range(32))).decode()}
+
+
 def test_a_host_key_other_than_the_published_one_is_refused(vm):
     spec, address, keys, hook = vm
-    wrong = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00\x20" + bytes(range(32))).decode()
-    event = first_event(trigger_for(spec, address, {"ssh-ed25519": wrong}))
+    event = first_event(trigger_for(spec, address, WRONG_KEY))
     assert event["status"] == "refused" and event["kind"] == "host_key", event
     assert "refusing to connect" in event["message"]
 
@@ -237,6 +242,15 @@ def test_a_byte_that_is_not_utf8_is_logged_replaced_and_the_vm_stays_answered(vm
     assert "training progress: step 3, loss 1.70" in logged
 
 
+async def closed(conn) -> bool:
+    """Whether SSH connection `conn` is closed (within 5 s)."""
+    try:
+        await asyncio.wait_for(conn.wait_closed(), 5)
+    except TimeoutError:
+        return False
+    return True
+
+
 def test_each_check_closes_its_connection_and_a_cancelled_trigger_its_open_one(vm, monkeypatch):
     """One SSH connection per check, closed after it; the triggerer cancelling the trigger (its
     task cleared or marked, the triggerer stopping) mid-check closes the one open and ends it."""
@@ -245,13 +259,6 @@ def test_each_check_closes_its_connection_and_a_cancelled_trigger_its_open_one(v
     spec, address, keys, hook = vm
     fake_training(spec, hook, steps=2, alive=True, exit_code=None)
     connect = VmSSHHookAsync.get_conn
-
-    async def closed(conn) -> bool:
-        try:
-            await asyncio.wait_for(conn.wait_closed(), 5)
-        except TimeoutError:
-            return False
-        return True
 
     async def watch_then_cancel():
         opened, third = [], asyncio.Event()

@@ -248,3 +248,29 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             if error.resp.status == 404:
                 return None
             raise
+
+
+async def vm_lost(gcp_conn_id: str, vm_name: str, project_id: str, zone: str, log) -> bool:
+    """For a trigger whose VM does not answer: whether the Compute API says it is gone or stopped
+    (TERMINATED). Read in a thread (the client blocks); a read that fails says nothing (False)."""
+    import asyncio
+
+    from google.api_core.exceptions import NotFound
+
+    def status() -> str | None:
+        try:
+            return ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_instance(
+                resource_id=vm_name, project_id=project_id, zone=zone
+            ).status
+        except NotFound:
+            return None
+
+    try:
+        found = await asyncio.to_thread(status)
+    except Exception as error:  # noqa: BLE001 - the next poll asks again
+        log.warning("Could not read the status of VM %s: %s", vm_name, error)
+        return False
+    if found in (None, "TERMINATED"):
+        log.warning("VM %s is %s", vm_name, found or "gone")
+        return True
+    return False

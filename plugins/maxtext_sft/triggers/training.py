@@ -21,9 +21,8 @@ Events (one, then the trigger ends); each carries `last_step` (the last step see
   {"status": "refused", "kind": "host_key" | "login", "message": ...}   not the VM's host key,
       or its sshd refused the login: the worker fails the task, as VmSSHHook's errors do
   {"status": "timeout"}   `deadline` (training_timeout_hours) passed
-No event leaves before `first_event_after` seconds from the trigger's start: Airflow 3.3 fails a
-resumed try that is already running when the executor's report of the deferral arrives
-(apache/airflow#72716), so the event waits that report out (the polls and their log lines do not).
+No event leaves before `first_event_after` seconds from the trigger's start (triggers/vm_ssh.py:
+apache/airflow#72716); the polls and their log lines do not wait.
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.sizing import prunable_steps
+from maxtext_sft.triggers.vm_ssh import VmSshTrigger
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 TAIL_MARKER = "--- tail of "
@@ -101,96 +100,38 @@ def prune_checkpoints(storage: Callable[[], Any], checkpoints_dir: str, kept: in
         log.warning("Could not prune old checkpoints in %s this time: %s", checkpoints_dir, error)
 
 
-class TrainingStatusTrigger(BaseTrigger):
+class TrainingStatusTrigger(VmSshTrigger):
     """Poll training_status.sh on the VM every `poll_interval` (the first after `first_poll_after`)."""
 
     def __init__(
         self,
         *,
-        ssh_conn_id: str,
-        host: str,
-        host_keys: dict[str, str],
         command: str,
-        vm_name: str,
         run_name: str,
-        project_id: str,
-        zone: str,
-        gcp_conn_id: str,
-        poll_interval: float,
         stall_timeout_seconds: float,
-        deadline: float,
-        username: str | None = None,
-        proxy_command: str | None = None,
-        connect_timeout: float = 30,
-        command_timeout: float = 120,
-        first_poll_after: float | None = None,
         unreachable_deadline: float | None = None,
         checkpoints_dir: str | None = None,
         checkpoints_kept: int | None = None,
-        first_event_after: float = 0,
+        **kwargs,  # VmSshTrigger's: where the VM is, how to log in, the polls' pace and deadline
     ):
-        super().__init__()
-        self.ssh_conn_id = ssh_conn_id
-        self.host = host
-        self.host_keys = dict(host_keys)
+        super().__init__(**kwargs)
         self.command = command
-        self.vm_name = vm_name
         self.run_name = run_name
-        self.project_id = project_id
-        self.zone = zone
-        self.gcp_conn_id = gcp_conn_id
-        self.poll_interval = float(poll_interval)
         self.stall_timeout_seconds = float(stall_timeout_seconds)
-        self.deadline = float(deadline)
-        self.username = username
-        self.proxy_command = proxy_command
-        self.connect_timeout = float(connect_timeout)
-        self.command_timeout = float(command_timeout)
-        self.first_poll_after = self.poll_interval if first_poll_after is None else float(first_poll_after)
         self.unreachable_deadline = None if unreachable_deadline is None else float(unreachable_deadline)
         self.checkpoints_dir = checkpoints_dir
         self.checkpoints_kept = checkpoints_kept
-        self.first_event_after = float(first_event_after)
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "ssh_conn_id": self.ssh_conn_id,
-                "host": self.host,
-                "host_keys": self.host_keys,
-                "command": self.command,
-                "vm_name": self.vm_name,
-                "run_name": self.run_name,
-                "project_id": self.project_id,
-                "zone": self.zone,
-                "gcp_conn_id": self.gcp_conn_id,
-                "poll_interval": self.poll_interval,
-                "stall_timeout_seconds": self.stall_timeout_seconds,
-                "deadline": self.deadline,
-                "username": self.username,
-                "proxy_command": self.proxy_command,
-                "connect_timeout": self.connect_timeout,
-                "command_timeout": self.command_timeout,
-                "first_poll_after": self.first_poll_after,
-                "unreachable_deadline": self.unreachable_deadline,
-                "checkpoints_dir": self.checkpoints_dir,
-                "checkpoints_kept": self.checkpoints_kept,
-                "first_event_after": self.first_event_after,
-            },
-        )
-
-    def _hook(self):
-        from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
-
-        return VmSSHHookAsync(
-            ssh_conn_id=self.ssh_conn_id,
-            host=self.host,
-            host_keys=self.host_keys,
-            username=self.username,
-            connect_timeout=self.connect_timeout,
-            proxy_command=self.proxy_command,
-        )
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            **super()._kwargs(),
+            "command": self.command,
+            "run_name": self.run_name,
+            "stall_timeout_seconds": self.stall_timeout_seconds,
+            "unreachable_deadline": self.unreachable_deadline,
+            "checkpoints_dir": self.checkpoints_dir,
+            "checkpoints_kept": self.checkpoints_kept,
+        }
 
     async def _read(self) -> tuple[int, list[str]]:
         """One connection, one run of training_status.sh: its exit status and lines (stderr merged)."""
@@ -207,44 +148,12 @@ class TrainingStatusTrigger(BaseTrigger):
         status = result.exit_status if result.exit_status is not None else -1
         return status, [line.rstrip("\r") for line in (result.stdout or "").splitlines()]
 
-    def _vm_status(self) -> str | None:
-        """The instance's status, None when it is gone; blocking, so run in a thread."""
-        from google.api_core.exceptions import NotFound
-
-        from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-
-        try:
-            return ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id).get_instance(
-                resource_id=self.vm_name, project_id=self.project_id, zone=self.zone
-            ).status
-        except NotFound:
-            return None
-
-    async def _vm_lost(self) -> bool:
-        """Whether the Compute API says the unanswering VM is gone or stopped (a read that fails
-        says nothing: the bound still applies)."""
-        try:
-            status = await asyncio.to_thread(self._vm_status)
-        except Exception as error:  # noqa: BLE001 - the next poll asks again
-            self.log.warning("Could not read the status of VM %s: %s", self.vm_name, error)
-            return False
-        if status in (None, "TERMINATED"):
-            self.log.warning("VM %s is %s", self.vm_name, status or "gone")
-            return True
-        return False
-
     def _prune(self) -> None:
         from maxtext_sft.hooks.storage import StorageEndpointHook
 
         prune_checkpoints(
             lambda: StorageEndpointHook(gcp_conn_id=self.gcp_conn_id), self.checkpoints_dir, self.checkpoints_kept, self.log
         )
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        started = time.monotonic()
-        payload = await self._watch()
-        await asyncio.sleep(max(0.0, started + self.first_event_after - time.monotonic()))
-        yield TriggerEvent(payload)
 
     async def _watch(self) -> dict[str, Any]:
         """Poll until something needs the worker: the event's payload."""
