@@ -1,0 +1,145 @@
+"""SshReadyTrigger against a real sshd VM of the local cloud: the login that works, the host keys it
+reads itself when none were published at the deferral, a host key other than the published one, a
+refused login (at once, or polled on during the worker's grace), an unanswering VM polled until the
+bound with its last error, a VM gone; its serialization; the connections it opens and closes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
+from maxtext_sft.triggers import ssh_ready
+from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
+from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module's VM
+    WRONG_KEY,
+    closed,
+    first_event,
+    vm,
+    vm_ssh_kwargs,
+)
+
+NOBODY = "127.0.0.254"  # nothing listens there: port 22 refuses the connection
+
+
+def trigger_for(spec, address, keys, **overrides) -> SshReadyTrigger:
+    return SshReadyTrigger(**{**vm_ssh_kwargs(spec, address, keys), **overrides})
+
+
+@pytest.fixture
+def logins(monkeypatch):
+    """Every connection the trigger opens, in order."""
+    opened = []
+    connect = VmSSHHookAsync.get_conn
+
+    async def recorded(self):
+        conn = await connect(self)
+        opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(VmSSHHookAsync, "get_conn", recorded)
+    return opened
+
+
+def test_serialize_round_trip_holds_plain_values_and_no_secret():
+    trigger = SshReadyTrigger(
+        ssh_conn_id="ssh", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, vm_name="vm", project_id="p",
+        zone="z", gcp_conn_id="gcp", poll_interval=5, deadline=1234.5, username="sa_1", proxy_command="gcloud ...",
+        refused_until=99.0, first_refused=9.0, first_event_after=60,
+    )
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "maxtext_sft.triggers.ssh_ready.SshReadyTrigger"
+    assert json.loads(json.dumps(kwargs)) == kwargs  # what Airflow stores for the triggerer
+    again = SshReadyTrigger(**kwargs)
+    assert again.serialize() == (classpath, kwargs)
+    assert kwargs["first_poll_after"] == 5  # a poll interval after the worker's own check
+    # The connections by id; nothing the VM runs comes from the kwargs (the command is fixed).
+    assert "command" not in kwargs and not any("huggingface" in str(value) for value in kwargs.values())
+
+
+def test_a_vm_that_takes_the_login_is_ready_after_the_deferral_is_reported(vm, logins):
+    spec, address, keys, _ = vm
+    started = time.monotonic()
+    assert first_event(trigger_for(spec, address, keys, first_event_after=2)) == {"status": "ready"}
+    assert time.monotonic() - started >= 2  # held until the executor has reported the deferral
+    assert len(logins) == 1
+    assert asyncio.run(closed(logins[0]))
+
+
+def test_without_published_host_keys_the_trigger_reads_them_from_the_compute_api(vm, local_cloud):
+    spec, address, _, _ = vm
+    before = len(local_cloud.requests())
+    assert first_event(trigger_for(spec, address, {})) == {"status": "ready"}
+    reads = [r for r in local_cloud.requests()[before:] if r["path"].endswith(f"/instances/{spec.vm_name}/getGuestAttributes")]
+    assert [r["query"].get("queryPath") for r in reads] == ["hostkeys/"]  # read once, on the triggerer
+
+
+def test_a_host_key_other_than_the_published_one_is_refused(vm):
+    spec, address, _, _ = vm
+    event = first_event(trigger_for(spec, address, WRONG_KEY))
+    assert event["status"] == "refused" and event["kind"] == "host_key", event
+    # As the workers' VmSSHHook says it (the fault matrix's cause).
+    assert "not the ssh-ed25519 key the VM published in its guest attributes" in event["message"]
+    assert "refusing to connect" in event["message"]
+
+
+def test_a_refused_login_goes_to_the_worker_at_once_or_after_its_grace(vm):
+    """A user the VM does not have: its sshd refuses the login. Without a grace the worker judges
+    it at once (OS Login); within the worker's grace it is polled on, then reported with the time
+    of the first refusal."""
+    spec, address, keys, _ = vm
+    before = time.time()
+    event = first_event(trigger_for(spec, address, keys, username="nobody-here"))
+    assert event["status"] == "refused" and event["kind"] == "login", event
+    assert "refused the SSH login" in event["message"] and before <= event["first_refused"] <= time.time()
+
+    first = time.time() - 30  # the worker's check was refused half a minute ago
+    event = first_event(trigger_for(spec, address, keys, username="nobody-here", first_refused=first,
+                                    refused_until=time.time() + 2))
+    assert event["status"] == "refused" and event["first_refused"] == first
+    assert time.time() >= first + 32  # polled on until the grace ended
+
+
+def test_an_unanswering_vm_is_polled_until_the_bound_and_its_last_error_comes_back(vm, monkeypatch):
+    spec, _, keys, _ = vm
+    tries = []
+    login = SshReadyTrigger._login
+
+    async def counted(self, host_keys):
+        tries.append(time.time())
+        return await login(self, host_keys)
+
+    monkeypatch.setattr(SshReadyTrigger, "_login", counted)
+    started = time.time()
+    event = first_event(trigger_for(spec, NOBODY, keys, deadline=started + 2))
+    assert event == {"status": "unreachable", "error_type": "ConnectionRefusedError", "error": event["error"]}
+    assert NOBODY in event["error"]
+    assert time.time() - started >= 2 and len(tries) >= 3  # polled on while the VM is RUNNING, to the bound
+
+
+def test_an_unanswering_vm_the_compute_api_says_is_gone_sends_the_worker_to_look(vm):
+    spec, _, keys, _ = vm
+    event = first_event(trigger_for(spec, NOBODY, keys, vm_name="no-such-vm"))
+    assert event == {"status": "look_again"}
+
+
+def test_a_cancelled_trigger_closes_the_connection_it_has_open_and_logs_in_no_more(vm, logins, monkeypatch):
+    """The triggerer cancelling the trigger (its task cleared or marked, the triggerer stopping)
+    mid-login closes its connection. (A command that lasts stands in for `true` here.)"""
+    spec, address, keys, _ = vm
+    monkeypatch.setattr(ssh_ready, "COMMAND", "sleep 30")
+
+    async def login_then_cancel():
+        waiting = asyncio.ensure_future(anext(trigger_for(spec, address, keys).run()))
+        while not logins:
+            await asyncio.sleep(0.05)  # polling interval: the login's connection opens
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return await closed(logins[0])
+
+    assert asyncio.run(login_then_cancel()) is True
+    assert len(logins) == 1
