@@ -55,3 +55,9 @@ def training_wait_deferrable() -> bool:
     wait_for_final_checkpoint defers to the triggerer between its checks, or pokes in reschedule
     mode (a task process per check)."""
     return conf.getboolean("maxtext_sft", "training_wait_deferrable", fallback=True)
+
+
+def ssh_wait_deferrable() -> bool:
+    """Airflow config [maxtext_sft] ssh_wait_deferrable (default true): whether wait_for_ssh (on
+    one VM) defers to the triggerer while the VM does not answer, or pokes, holding its worker slot."""
+    return conf.getboolean("maxtext_sft", "ssh_wait_deferrable", fallback=True)

@@ -28,6 +28,7 @@ from maxtext_sft.dag_settings import (
     SSH_CONN_ID,
     capacity_reads,
     give_params_after_tasks,
+    ssh_wait_deferrable,
     task_defaults,
     training_wait_deferrable,
 )
@@ -220,9 +221,12 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
             retry_exponential_backoff=True,  # 5xx errors clear up over minutes
         )
         # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
-        # sensor's timeout only backs it up.
+        # sensor's timeout only backs it up. While the VM does not answer it is deferred to the
+        # triggerer, holding no worker slot ([maxtext_sft] ssh_wait_deferrable).
         wait_for_ssh = VmSshReadySensor(
             task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
+            deferrable=ssh_wait_deferrable(),
+            capacity_first_read_seconds=capacity_reads()["capacity_first_read_seconds"],
             **vm_connections,
         )
         creates = [create_vm]

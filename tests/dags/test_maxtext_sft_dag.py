@@ -116,6 +116,8 @@ def test_tags_retries_and_waiting_modes(dag):
     # Deferred to the triggerer between its checks; reschedule mode with training_wait_deferrable=false.
     assert dag.get_task("wait_for_final_checkpoint").deferrable is True
     assert dag.get_task("wait_for_final_checkpoint").mode == "reschedule"
+    # Deferred to the triggerer while the VM does not answer; pokes with ssh_wait_deferrable=false.
+    assert dag.get_task("wait_for_ssh").deferrable is True
     assert dag.dagrun_timeout is None  # a run timeout would skip the delete (apache/airflow#30264)
 
 

@@ -18,14 +18,17 @@ from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.slice_hosts import NOT_RECOVERED, HostLog, check_hosts_running, on_every_host
 from maxtext_sft.spec import RunSpec
 from maxtext_sft.vm_access import (
+    LOGIN_GRACE_SECONDS,
     HostKeysNotPublished,
     SshLoginProbe,
     ssh_target,
     start_autostop,
     transient_ssh_errors,
+    unreachable_reason,
     vm_ssh_hook,
 )
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
+from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
 from maxtext_sft.triggers.training import (
     STATUS_LINE,
     TrainingStatusTrigger,
@@ -43,13 +46,96 @@ from maxtext_sft.vm_steps import STEPS, remote_command, script_files
 VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, or deleted by hand)"
 
 
-class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
+def _vm_ssh_trigger_args(sensor, spec: RunSpec, target: dict[str, Any]) -> dict[str, Any]:
+    """What a sensor gives every trigger that SSHes to `spec`'s VM (triggers/vm_ssh.py): `target`
+    (host, host_keys: the only ones accepted; username, proxy_command), its connections, its pace."""
+    return {
+        "ssh_conn_id": sensor.ssh_conn_id,
+        **target,
+        "vm_name": spec.vm_name,
+        "project_id": spec.project_id,
+        "zone": spec.zone,
+        "gcp_conn_id": sensor.gcp_conn_id,
+        "poll_interval": sensor.poke_interval,
+        "connect_timeout": spec.ssh_connect_timeout_seconds,
+        # An event waits out the executor's report of this deferral, as the capacity trigger's
+        # first read does (apache/airflow#72716): [maxtext_sft] capacity_first_read_seconds.
+        "first_event_after": sensor.capacity_first_read_seconds,
+    }
+
+
+def _check_again_after(sensor, error: BaseException, seconds: float) -> None:
+    """With no SSH target for the VM now (`error`): back to the sensor's `resume_check` after
+    `seconds`, deferred."""
+    from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger  # not at parse time
+
+    sensor.log.info("VM %s has no SSH target now (%s): checking again in %.0f s", sensor.run_spec.vm_name, error,
+                    seconds)
+    sensor.defer(trigger=TimeDeltaTrigger(timedelta(seconds=seconds)), method_name="resume_check")
+
+
+class _KeptState:
+    """What a sensor keeps across its task processes (pokes, deferrals, retries): clocks' starts
+    and the like, in the task state store."""
+
+    def _state(self, context, name: str) -> tuple[Any, str]:
+        """(store, key) of what the sensor keeps across pokes under `name` (a clock's start, the
+        last step seen): the task state store, which outlives reschedules and retries (a key per
+        generation of the run), or this object when the poke runs outside a task run (no store)."""
+        store = context.get("task_state_store")
+        if store is None:
+            store = self.__dict__.setdefault("_local_clocks", _LocalStore())
+        generation = getattr(context.get("dag_run"), "clear_number", 0) or 0
+        return store, f"{name}_g{generation}"
+
+    def _clock_start(self, context, name: str) -> float:
+        """When clock `name` started; it starts now if it was not running."""
+        store, key = self._state(context, name)
+        since = store.get(key)
+        if since is None:
+            since = time.time()
+            store.set(key, since)
+        return since
+
+    def _stop_clock(self, context, name: str) -> None:
+        store, key = self._state(context, name)
+        if store.get(key) is not None:
+            store.delete(key)
+
+    def _try_key(self, context, name: str) -> str:
+        """`name` for this try alone: a retry starts its own (as a poke-mode sensor's wait does)."""
+        return f"{name}_try{getattr(context.get('ti'), 'try_number', 0)}"
+
+
+class _LocalStore(dict):
+    """The task state store's get/set/delete, in memory."""
+
+    def set(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def delete(self, key: str) -> None:
+        self.pop(key, None)
+
+
+class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     """Wait until the VM accepts an SSH login as the pipeline's (non-root) user, then start its
     autostop. Done at once when the VM is gone or stopped (this task cleared after the run
-    deleted it, or its autostop stopped it): the step after this makes it again."""
+    deleted it, or its autostop stopped it): the step after this makes it again.
+
+    Deferrable (the default): the worker checks once; while the VM does not answer, the logins
+    go on on the triggerer (`SshReadyTrigger`), which hands back to the worker only what needs it
+    (the login works: the worker starts the autostop; a login refused or a host key not the VM's;
+    ssh_ready_timeout_seconds passed; the VM gone or stopped). With deferrable=False it pokes,
+    holding its worker slot."""
 
     _login_probe: SshLoginProbe | None = None
-    _waiting_since: float = 0.0
+
+    def __init__(
+        self, *, capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS, deferrable: bool = True, **kwargs
+    ):
+        super().__init__(**kwargs)
+        self.capacity_first_read_seconds = capacity_first_read_seconds
+        self.deferrable = deferrable
 
     def poke(self, context) -> bool:
         spec = self.run_spec
@@ -57,14 +143,11 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
         if status in (None, "TERMINATED"):
             self.log.warning("VM %s is %s: the next step makes it again", spec.vm_name, status or "gone")
             return True
-        if self._login_probe is None:  # one probe for this wait: it keeps when a login was first refused
-            self._login_probe = SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
-            self._waiting_since = time.monotonic()
+        probe = self._probe(context)
         try:
-            if not self._login_probe():
-                waited = time.monotonic() - self._waiting_since
-                if waited >= spec.ssh_ready_timeout_seconds:
-                    raise AirflowFailException(self._login_probe.unreachable_reason(waited))
+            if not probe():
+                self._keep_first_refusal(context)
+                self._fail_past_the_bound(context)
                 return False
             start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
             return True
@@ -72,8 +155,93 @@ class VmSshReadySensor(RunTaskOperator, BaseSensorOperator):
             self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
             return True
 
+    def _probe(self, context) -> SshLoginProbe:
+        """One probe for this wait (it keeps when a login was first refused, and the task state
+        store for the next task process of a deferred wait); the wait's clock starts with it."""
+        if self._login_probe is None:
+            store, key = self._state(context, self._try_key(context, "login_refused_since"))
+            self._login_probe = SshLoginProbe(
+                self.run_spec, self.gcp_conn_id, self.ssh_conn_id, self.log, first_refused=store.get(key)
+            )
+            self._wait_started(context)
+        return self._login_probe
 
-class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
+    def _wait_started(self, context) -> float:
+        """When this try's wait began (epoch seconds): its first check."""
+        return self._clock_start(context, self._try_key(context, "ssh_wait_since"))
+
+    def _keep_first_refusal(self, context) -> None:
+        store, key = self._state(context, self._try_key(context, "login_refused_since"))
+        if self._login_probe.first_refused is not None and store.get(key) is None:
+            store.set(key, self._login_probe.first_refused)
+
+    def _fail_past_the_bound(self, context) -> None:
+        waited = time.time() - self._wait_started(context)
+        if waited >= self.run_spec.ssh_ready_timeout_seconds:
+            raise AirflowFailException(self._login_probe.unreachable_reason(waited))
+
+    def execute(self, context):
+        if not self.deferrable:
+            return super().execute(context)
+        return self._check(context)
+
+    # ----- deferrable: a check on the worker, then the triggerer's logins until one needs the worker -----
+
+    def _check(self, context) -> None:
+        """One check on the worker, as a poke; while the VM does not answer, defer."""
+        if not self.poke(context):
+            self._defer_to_ssh_trigger(context)
+
+    def _defer_to_ssh_trigger(self, context) -> None:
+        spec, probe = self.run_spec, self._login_probe
+        try:
+            target = ssh_target(spec, self.gcp_conn_id, host_keys_required=False)
+        except NotFound:  # deleted since the check: as a check that finds it gone, done
+            self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
+            return
+        except transient_ssh_errors() as error:
+            # Not answering the Compute API just now: the worker checks again after a pause, one
+            # that waits out the executor's report of the deferral as the trigger's events do.
+            _check_again_after(self, error, max(self.poke_interval, self.capacity_first_read_seconds))
+        grace_until = probe.first_refused + LOGIN_GRACE_SECONDS if probe.first_refused is not None else None
+        trigger = SshReadyTrigger(
+            **_vm_ssh_trigger_args(self, spec, target),  # no host keys yet: the trigger reads them
+            deadline=self._wait_started(context) + spec.ssh_ready_timeout_seconds,
+            refused_until=grace_until,
+            first_refused=probe.first_refused,
+        )
+        self.defer(trigger=trigger, method_name="resume_after_login")
+
+    def resume_check(self, context, event=None):
+        """After a pause with no SSH target: check on the worker again."""
+        return self._check(context)
+
+    def resume_after_login(self, context, event: dict):
+        """Back from the SSH trigger with what needs the worker (see triggers/ssh_ready.py)."""
+        spec = self.run_spec
+        kind = event["status"]
+        if kind == "ready":
+            try:
+                start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
+            except NotFound:  # deleted since the login: as a check that finds it gone, done
+                self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
+            return None
+        if kind == "look_again":
+            return self._check(context)
+        if kind == "unreachable":
+            waited = time.time() - self._wait_started(context)
+            raise AirflowFailException(unreachable_reason(spec, waited, event["error_type"], event["error"]))
+        if event["kind"] == "host_key":
+            raise HostKeyMismatch(event["message"])
+        probe = self._probe(context)
+        probe.first_refused = probe.first_refused or event["first_refused"]
+        self._keep_first_refusal(context)
+        probe.judge_refusal(LoginRefused(event["message"]))  # raises past the grace, or for OS Login
+        self._fail_past_the_bound(context)
+        self._defer_to_ssh_trigger(context)
+
+
+class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     """Wait for the final checkpoint of the training started by start_training.sh.
 
     Each check is one short SSH call that returns the new training log lines (copied into this
@@ -200,8 +368,7 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
     def _deadline(self, context) -> float:
         """When this try's wait times out (training_timeout_hours): from its first check, as a
         reschedule-mode sensor's timeout runs from its try's first poke."""
-        ti = context.get("ti")
-        return self._clock_start(context, f"watch_since_try{getattr(ti, 'try_number', 0)}") + self.timeout
+        return self._clock_start(context, self._try_key(context, "watch_since")) + self.timeout
 
     def _timed_out(self, context) -> AirflowSensorTimeout:
         spec = self.run_spec
@@ -231,31 +398,17 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             target = ssh_target(spec, self.gcp_conn_id)
         except (NotFound, HostKeysNotPublished, *transient_ssh_errors()) as error:
             # Gone, or booting, since the check: the next check on the worker finds out which.
-            from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger  # not at parse time
-
-            self.log.info("VM %s has no SSH target now (%s): checking again in %.0f s", spec.vm_name, error,
-                          self.poke_interval)
-            self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=self.poke_interval)), method_name="resume_check")
+            _check_again_after(self, error, self.poke_interval)
         trigger = TrainingStatusTrigger(
-            ssh_conn_id=self.ssh_conn_id,
-            **target,  # host, host_keys (the only ones accepted), username, proxy_command
+            **_vm_ssh_trigger_args(self, spec, target),
             command=remote_command("training_status", spec),
             command_timeout=STEPS["training_status"].timeout_seconds(spec),
-            connect_timeout=spec.ssh_connect_timeout_seconds,
-            vm_name=spec.vm_name,
             run_name=spec.run_name,
-            project_id=spec.project_id,
-            zone=spec.zone,
-            gcp_conn_id=self.gcp_conn_id,
-            poll_interval=self.poke_interval,
             stall_timeout_seconds=spec.stall_timeout_seconds,
             deadline=self._deadline(context),
             unreachable_deadline=self._unreachable_deadline(context, spec),
             checkpoints_dir=spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
             checkpoints_kept=spec.checkpoints_kept,
-            # An event waits out the executor's report of this deferral, as the capacity trigger's
-            # first read does (apache/airflow#72716): [maxtext_sft] capacity_first_read_seconds.
-            first_event_after=self.capacity_first_read_seconds,
         )
         self.defer(trigger=trigger, method_name="resume_after_status")
 
@@ -396,30 +549,6 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
             )
         return status, output
 
-    def _state(self, context, name: str) -> tuple[Any, str]:
-        """(store, key) of what the sensor keeps across pokes under `name` (a clock's start, the
-        last step seen): the task state store, which outlives reschedules and retries (a key per
-        generation of the run), or this object when the poke runs outside a task run (no store)."""
-        store = context.get("task_state_store")
-        if store is None:
-            store = self.__dict__.setdefault("_local_clocks", _LocalStore())
-        generation = getattr(context.get("dag_run"), "clear_number", 0) or 0
-        return store, f"{name}_g{generation}"
-
-    def _clock_start(self, context, name: str) -> float:
-        """When clock `name` started; it starts now if it was not running."""
-        store, key = self._state(context, name)
-        since = store.get(key)
-        if since is None:
-            since = time.time()
-            store.set(key, since)
-        return since
-
-    def _stop_clock(self, context, name: str) -> None:
-        store, key = self._state(context, name)
-        if store.get(key) is not None:
-            store.delete(key)
-
     def _note_last_step(self, context, step: float | int | None) -> None:
         """Keep the last training step seen: a recovery's record says how many steps it lost."""
         store, key = self._state(context, "last_step")
@@ -486,16 +615,6 @@ class TrainingCheckpointSensor(RunTaskOperator, BaseSensorOperator):
         return True
 
 
-class _LocalStore(dict):
-    """The task state store's get/set/delete, in memory."""
-
-    def set(self, key: str, value: Any) -> None:
-        self[key] = value
-
-    def delete(self, key: str) -> None:
-        self.pop(key, None)
-
-
 def _exit_text(exit_code: str | None) -> str:
     """bash reports a process killed by signal N as exit code 128+N: name the signal."""
     text = f"exited with code {exit_code}"
@@ -511,6 +630,10 @@ class SliceSshReadySensor(VmSshReadySensor):
     """Wait until every host accepts the pipeline's SSH login, then start each one's autostop."""
 
     _ready: set[str] | None = None
+
+    def __init__(self, **kwargs):
+        kwargs["deferrable"] = False  # not yet: it pokes every host, holding its worker slot
+        super().__init__(**kwargs)
 
     def poke(self, context) -> bool:
         specs = self.host_specs

@@ -1,0 +1,251 @@
+"""wait_for_ssh deferrable: its check on the worker, what it gives the SSH trigger, and what it does
+with each of the trigger's events (resumed as Airflow resumes it, in a new task process: a new
+sensor object, the same task state store). The login probe is the real SshLoginProbe; the VM's
+answers and the Compute API are faked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+from maxtext_sft import vm_access
+from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
+from maxtext_sft.sensors import vm as sensors
+from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
+from tests.plugins.test_spec import make_spec
+from tests.plugins.test_unreachable_bound import DagRun, StateStore
+
+TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "proxy_command": None}
+
+
+class FakeVm:
+    """What the worker's check meets: the instance's status, what the login does, OS Login."""
+
+    def __init__(self):
+        self.now = 1_000.0
+        self.status = "RUNNING"
+        self.login: BaseException | None = OSError("[Errno 111] Connection refused")  # None: it works
+        self.host_keys = TARGET["host_keys"]
+        self.target_error: BaseException | None = None
+        self.os_login = None
+        self.autostops = 0
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    vm = FakeVm()
+
+    class Remake:
+        def __init__(self, spec, **_):
+            pass
+
+        def status(self):
+            return vm.status
+
+    class Hook:
+        def get_conn(self):
+            if vm.login:
+                raise vm.login
+            return self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def run_command(self, command, **_):
+            assert command == "true"
+            return 0, []
+
+    class Compute:
+        def __init__(self, gcp_conn_id):
+            pass
+
+        def os_login_enabled(self, resource_id, zone, project_id):
+            return vm.os_login
+
+    def ssh_target(spec, gcp_conn_id, *, host_keys_required=True):
+        if vm.target_error:
+            raise vm.target_error
+        return {**TARGET, "host_keys": vm.host_keys}
+
+    def autostop(spec, gcp_conn_id, ssh_conn_id, log):
+        vm.autostops += 1
+
+    STORE.clear()
+    monkeypatch.setattr(sensors.time, "time", lambda: vm.now)  # the sensor's and the probe's clock
+    monkeypatch.setattr(sensors, "VmRemake", Remake)
+    monkeypatch.setattr(sensors, "ssh_target", ssh_target)
+    monkeypatch.setattr(sensors, "start_autostop", autostop)
+    monkeypatch.setattr(vm_access, "vm_ssh_hook", lambda *_, **__: Hook())
+    monkeypatch.setattr(vm_access, "ComputeEngineEndpointHook", Compute)
+    return vm
+
+
+def sensor(spec=None, **kwargs):
+    spec = spec or make_spec(ssh_ready_timeout_seconds=600)
+    return sensors.VmSshReadySensor(
+        task_id="wait_for_ssh", spec=spec.to_dict(), gcp_conn_id="gcp", ssh_conn_id="ssh", poke_interval=5,
+        capacity_first_read_seconds=60, **kwargs,
+    )
+
+
+class Try:
+    try_number = 1
+
+
+STORE = StateStore()  # cleared by the `fake` fixture
+
+
+def context() -> dict:
+    """A task process's context: one run's task state store, this try."""
+    return {"task_state_store": STORE, "dag_run": DagRun(), "ti": Try()}
+
+
+def deferred(call) -> TaskDeferred:
+    with pytest.raises(TaskDeferred) as raised:
+        call()
+    return raised.value
+
+
+def check(**kwargs):
+    """The try's first task process: its check on the worker."""
+    return sensor(**kwargs).execute(context())
+
+
+def resume(deferral: TaskDeferred, event, spec=None):
+    """A new task process resumes the task as Airflow does: the deferral's kwargs and the event."""
+    return sensor(spec).resume_execution(deferral.method_name, {**(deferral.kwargs or {}), "event": event}, context())
+
+
+def test_a_vm_that_answers_the_first_check_starts_its_autostop_without_deferring(fake):
+    fake.login = None
+    assert check() is None
+    assert fake.autostops == 1
+
+
+def test_an_unanswering_vm_defers_to_the_ssh_trigger_with_plain_values_and_no_secret(fake):
+    deferral = deferred(lambda: check())
+    trigger = deferral.trigger
+    assert isinstance(trigger, SshReadyTrigger) and deferral.method_name == "resume_after_login"
+    assert (trigger.host, trigger.host_keys) == (TARGET["host"], TARGET["host_keys"])  # the only keys accepted
+    assert trigger.deadline == 1_000 + 600  # ssh_ready_timeout_seconds from the first check
+    assert trigger.poll_interval == 5 and trigger.first_event_after == 60
+    assert trigger.refused_until is None and trigger.first_refused is None
+    assert STORE == {"ssh_wait_since_try1_g0": 1_000}  # the wait's clock, for the next task process
+    _, kwargs = trigger.serialize()
+    assert json.loads(json.dumps(kwargs)) == kwargs
+    assert (kwargs["ssh_conn_id"], kwargs["gcp_conn_id"]) == ("ssh", "gcp")
+    assert fake.autostops == 0
+
+
+def test_no_host_keys_published_yet_the_trigger_reads_them(fake):
+    fake.login, fake.host_keys = vm_access.HostKeysNotPublished("none yet"), {}
+    assert deferred(lambda: check()).trigger.host_keys == {}
+
+
+def test_a_vm_gone_or_stopped_is_done_at_once(fake):
+    fake.status = "TERMINATED"
+    assert check() is None
+    assert fake.autostops == 0
+
+
+def test_the_login_working_on_the_triggerer_starts_the_autostop(fake):
+    deferral = deferred(lambda: check())
+    fake.now += 30
+    assert resume(deferral, {"status": "ready"}) is None
+    assert fake.autostops == 1
+
+
+def test_look_again_checks_on_the_worker(fake):
+    deferral = deferred(lambda: check())
+    fake.now += 30
+    again = deferred(lambda: resume(deferral, {"status": "look_again"}))
+    assert again.trigger.deadline == 1_600  # the same wait: its bound is not restarted
+    fake.status = None  # gone: the next step makes it again
+    assert resume(again, {"status": "look_again"}) is None and fake.autostops == 0
+
+
+def test_the_bound_fails_the_task_naming_the_last_error(fake):
+    deferral = deferred(lambda: check())
+    fake.now += 600
+    event = {"status": "unreachable", "error_type": "ConnectionRefusedError",
+             "error": "[Errno 111] Connect call failed ('10.0.0.2', 22)"}
+    with pytest.raises(AirflowFailException) as failed:
+        resume(deferral, event)
+    message = str(failed.value)
+    assert "answered no SSH login for 600 s (ssh_ready_timeout_seconds)" in message
+    assert "port 22 refused the connection" in message and "Connect call failed" in message
+    assert "allowing tcp:22 from the workers' addresses to the network tag" in message
+
+    event = {"status": "unreachable", "error_type": "HostKeysNotPublished", "error": "VM x has published none"}
+    with pytest.raises(AirflowFailException, match="its guest agent published no host keys"):
+        resume(deferral, event)
+
+
+def test_a_host_key_not_the_vms_fails_without_retries(fake):
+    deferral = deferred(lambda: check())
+    with pytest.raises(HostKeyMismatch, match="not the ssh-ed25519 key"):
+        resume(deferral, {"status": "refused", "kind": "host_key", "message": "... is not the ssh-ed25519 key ..."})
+    assert issubclass(HostKeyMismatch, AirflowFailException)
+
+
+def test_a_refused_login_with_os_login_on_for_a_run_without_it_fails_at_once(fake):
+    deferral = deferred(lambda: check())
+    fake.os_login = True
+    with pytest.raises(LoginRefused, match=r"OS Login is enabled for VM .* Set the Param os_login"):
+        resume(deferral, {"status": "refused", "kind": "login", "message": "10.0.0.2 refused", "first_refused": 1_010})
+
+
+def test_a_refused_login_is_polled_on_by_the_trigger_for_the_grace_then_fails(fake):
+    deferral = deferred(lambda: check())
+    fake.now = 1_020
+    again = deferred(lambda: resume(deferral, {"status": "refused", "kind": "login", "message": "10.0.0.2 refused",
+                                               "first_refused": 1_010}))
+    # The guest agent may not have made the user yet: the trigger tries on until the grace ends.
+    assert again.trigger.first_refused == 1_010
+    assert again.trigger.refused_until == 1_010 + vm_access.LOGIN_GRACE_SECONDS
+    assert STORE == {"ssh_wait_since_try1_g0": 1_000, "login_refused_since_try1_g0": 1_010}
+    fake.now = 1_010 + vm_access.LOGIN_GRACE_SECONDS
+    with pytest.raises(LoginRefused, match=r"for 90 s\)\. .*Param os_login"):
+        resume(again, {"status": "refused", "kind": "login", "message": "10.0.0.2 refused", "first_refused": 1_010})
+
+
+def test_a_login_refused_on_the_worker_gives_the_trigger_its_grace(fake):
+    fake.login = LoginRefused("10.0.0.2 refused the SSH login")
+    deferral = deferred(lambda: check())
+    assert deferral.trigger.first_refused == 1_000
+    assert deferral.trigger.refused_until == 1_000 + vm_access.LOGIN_GRACE_SECONDS
+
+
+def test_no_ssh_target_just_now_checks_again_on_the_worker_after_a_pause(fake):
+    deferral = deferred(lambda: check())
+    fake.target_error = OSError("Compute API: connection reset")
+    fake.now += 30
+    pause = deferred(lambda: resume(deferral, {"status": "look_again"}))
+    assert isinstance(pause.trigger, TimeDeltaTrigger) and pause.method_name == "resume_check"
+    fake.target_error, fake.login = None, None
+    assert resume(pause, {"moment": "2026-12-03T00:00:00+00:00"}) is None and fake.autostops == 1
+
+
+def test_not_deferrable_it_pokes_as_before(fake, monkeypatch):
+    """deferrable=False ([maxtext_sft] ssh_wait_deferrable = false): BaseSensorOperator's poke loop."""
+    monkeypatch.setattr(sensors.BaseSensorOperator, "execute", lambda self, context: ("poked", self.poke(context)))
+    fake.login = None
+    assert check(deferrable=False) == ("poked", True)
+
+
+def test_a_retry_waits_its_own_bound(fake):
+    """As a poking sensor's wait began again with each try."""
+    deferred(lambda: check())
+    fake.now += 600
+    Try.try_number = 2
+    try:
+        assert deferred(lambda: check()).trigger.deadline == 1_600 + 600
+    finally:
+        Try.try_number = 1
