@@ -13,7 +13,7 @@ import pytest
 
 from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
 from maxtext_sft.triggers import ssh_ready
-from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
+from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module's VM
     WRONG_KEY,
     closed,
@@ -143,3 +143,58 @@ def test_a_cancelled_trigger_closes_the_connection_it_has_open_and_logs_in_no_mo
 
     assert asyncio.run(login_then_cancel()) is True
     assert len(logins) == 1
+
+
+# ----- a slice's hosts, watched at once ----------------------------------------------------------
+
+
+@pytest.fixture
+def running(monkeypatch):
+    """The Compute API says every host is RUNNING (the test VM is the only real one)."""
+
+    async def never_lost(self):
+        return False
+
+    monkeypatch.setattr(SshReadyTrigger, "_vm_lost", never_lost)
+
+
+def host(spec, address, keys, name=None, **overrides) -> dict:
+    """One host's SshReadyTrigger arguments, as the slice's trigger takes them (plain values)."""
+    return trigger_for(spec, address, keys, **({"vm_name": name} if name else {}), **overrides).serialize()[1]
+
+
+def test_a_slices_hosts_ready_are_named_with_the_event_of_the_one_that_needs_the_worker(vm, running):
+    spec, address, keys, _ = vm
+    deadline = time.time() + 2
+    trigger = SliceSshReadyTrigger(hosts=[host(spec, address, keys), host(spec, NOBODY, keys, "host-1", deadline=deadline)])
+    assert SliceSshReadyTrigger(**trigger.serialize()[1]).serialize() == trigger.serialize()
+    assert json.loads(json.dumps(trigger.serialize()[1])) == trigger.serialize()[1]
+    event = first_event(trigger)
+    assert event["ready"] == [spec.vm_name]
+    assert event["events"] == {"host-1": {"status": "unreachable", "error_type": "ConnectionRefusedError",
+                                          "error": event["events"]["host-1"]["error"]}}
+    assert time.time() >= deadline
+
+
+def test_at_the_bound_every_waiting_hosts_last_error_comes_back(vm, running):
+    spec, _, keys, _ = vm
+    deadline = time.time() + 1
+    event = first_event(SliceSshReadyTrigger(hosts=[
+        host(spec, NOBODY, keys, "host-0", deadline=deadline), host(spec, "127.0.0.253", keys, "host-1", deadline=deadline),
+    ]))
+    assert event["ready"] == [] and set(event["events"]) == {"host-0", "host-1"}
+    assert "127.0.0.253" in event["events"]["host-1"]["error"] and NOBODY in event["events"]["host-0"]["error"]
+
+
+def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_connections(vm, logins, monkeypatch):
+    """Host 1 is gone (the Compute API's 404 to the trigger): the event leaves at once, and the
+    login host 0 has open (a command that lasts stands in for `true`) is closed."""
+    spec, address, keys, _ = vm
+    monkeypatch.setattr(ssh_ready, "COMMAND", "sleep 30")
+    started = time.monotonic()
+    event = first_event(SliceSshReadyTrigger(hosts=[
+        host(spec, address, keys), host(spec, NOBODY, keys, "no-such-vm", first_poll_after=1),
+    ]))
+    assert event == {"ready": [], "events": {"no-such-vm": {"status": "look_again"}}}
+    assert time.monotonic() - started < 30 and len(logins) == 1
+    assert asyncio.run(closed(logins[0]))

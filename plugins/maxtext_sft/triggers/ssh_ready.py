@@ -20,6 +20,10 @@ Events (one, then the trigger ends):
       again (and is done: the next step makes the VM again)
 No event leaves before `first_event_after` seconds from the trigger's start (triggers/vm_ssh.py:
 apache/airflow#72716); the polls do not wait.
+
+A slice's hosts: `SliceSshReadyTrigger` runs one host's logins per host at once, until every host
+takes the login or one needs the worker; its event names the hosts ready and each other host's
+event (see that class).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import asyncio
 import time
 from typing import Any
 
-from maxtext_sft.triggers.vm_ssh import VmSshTrigger
+from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger
 
 COMMAND = "true"  # the login's only command
 
@@ -107,3 +111,49 @@ class SshReadyTrigger(VmSshTrigger):
                     "error_type": type(last_error).__name__ if last_error else None,
                     "error": str(last_error or ""),
                 }
+
+
+class SliceSshReadyTrigger(HeldEventTrigger):
+    """SshReadyTrigger's logins on several hosts at once (`hosts`: each one's SshReadyTrigger
+    arguments, plain values), until every host takes the login or one needs the worker.
+
+    Event: {"ready": [vm_name, ...], "events": {vm_name: SshReadyTrigger's event}}: the hosts
+    whose login worked, and the event of the host that needs the worker (empty when every host is
+    ready). When that is the bound (`unreachable`), every host still waiting reaches it too: each
+    one's event is there, for the worker to name every host's last error. The logins of the hosts
+    still waiting are cancelled (their connections closed) when the event leaves.
+    """
+
+    def __init__(self, *, hosts: list[dict[str, Any]], first_event_after: float = 0):
+        super().__init__()
+        self.hosts = [dict(host) for host in hosts]
+        self.first_event_after = float(first_event_after)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"hosts": self.hosts, "first_event_after": self.first_event_after})
+
+    async def _watch(self) -> dict[str, Any]:
+        watches = {asyncio.ensure_future(SshReadyTrigger(**host)._watch()): host["vm_name"] for host in self.hosts}
+        ready, events, pending = [], {}, set(watches)
+
+        def take(done) -> None:
+            for watch in done:
+                payload = watch.result()
+                if payload["status"] == "ready":
+                    ready.append(watches[watch])
+                else:
+                    events[watches[watch]] = payload
+
+        try:
+            while pending and not events:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                take(done)
+            if pending and all(event["status"] == "unreachable" for event in events.values()):
+                done, pending = await asyncio.wait(pending)  # the same bound: each host's last error
+                take(done)
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+        return {"ready": sorted(ready), "events": events}

@@ -18,7 +18,23 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 
-class VmSshTrigger(BaseTrigger):
+class HeldEventTrigger(BaseTrigger):
+    """One event, `_watch`'s payload, sent no sooner than `first_event_after` seconds from the start."""
+
+    first_event_after: float = 0
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
+        payload = await self._watch()
+        await asyncio.sleep(max(0.0, started + self.first_event_after - time.monotonic()))
+        yield TriggerEvent(payload)
+
+    async def _watch(self) -> dict[str, Any]:
+        """Poll until something needs the worker: the event's payload."""
+        raise NotImplementedError
+
+
+class VmSshTrigger(HeldEventTrigger):
     """Poll the VM every `poll_interval` (the first after `first_poll_after`) until `_watch` returns
     the payload of the one event."""
 
@@ -100,13 +116,3 @@ class VmSshTrigger(BaseTrigger):
         from maxtext_sft.hooks.compute import vm_lost
 
         return await vm_lost(self.gcp_conn_id, self.vm_name, self.project_id, self.zone, self.log)
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        started = time.monotonic()
-        payload = await self._watch()
-        await asyncio.sleep(max(0.0, started + self.first_event_after - time.monotonic()))
-        yield TriggerEvent(payload)
-
-    async def _watch(self) -> dict[str, Any]:
-        """Poll until something needs the worker: the event's payload."""
-        raise NotImplementedError
