@@ -58,6 +58,7 @@ def training_wait_deferrable() -> bool:
 
 
 def ssh_wait_deferrable() -> bool:
-    """Airflow config [maxtext_sft] ssh_wait_deferrable (default true): whether wait_for_ssh (on
-    one VM) defers to the triggerer while the VM does not answer, or pokes, holding its worker slot."""
+    """Airflow config [maxtext_sft] ssh_wait_deferrable (default true): whether wait_for_ssh
+    defers to the triggerer while the VM (a slice's host) does not answer, or pokes, holding its
+    worker slot."""
     return conf.getboolean("maxtext_sft", "ssh_wait_deferrable", fallback=True)

@@ -154,6 +154,12 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
     # The steps on the VM make it again when it is gone (a cleared task, a VM lost between two
     # tasks), behind the capacity gate as create_vm.
     step_connections = {**vm_connections, "hf_conn_id": HF_CONN_ID, **capacity_reads()}
+    # wait_for_ssh: deferred to the triggerer while a host does not answer, holding no worker slot
+    # ([maxtext_sft] ssh_wait_deferrable); its events wait out the deferral's report as the gate's.
+    ssh_wait = {
+        "deferrable": ssh_wait_deferrable(),
+        "capacity_first_read_seconds": capacity_reads()["capacity_first_read_seconds"],
+    }
 
     # A no-op setup whose teardown is the delete: unlike a create-as-setup, it lets the delete
     # run even when the create fails after the API accepted it, or a user marks the run failed.
@@ -193,7 +199,7 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
         hosts = {"hosts": create_vm.output}
         wait_for_ssh = SliceSshReadySensor(
             task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
-            **hosts, **vm_connections,
+            **hosts, **ssh_wait, **vm_connections,
         )
 
         def vm_step(task_id: str, step: str, group: str, *, on_all_hosts: bool, **more) -> VmScriptOperator:
@@ -221,13 +227,10 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
             retry_exponential_backoff=True,  # 5xx errors clear up over minutes
         )
         # Bounded by ssh_ready_timeout_seconds (the sensor's own clock, naming the cause); the
-        # sensor's timeout only backs it up. While the VM does not answer it is deferred to the
-        # triggerer, holding no worker slot ([maxtext_sft] ssh_wait_deferrable).
+        # sensor's timeout only backs it up.
         wait_for_ssh = VmSshReadySensor(
             task_id="wait_for_ssh", spec=run["spec"], poke_interval=5, timeout=3900, task_group=phase["provision"],
-            deferrable=ssh_wait_deferrable(),
-            capacity_first_read_seconds=capacity_reads()["capacity_first_read_seconds"],
-            **vm_connections,
+            **ssh_wait, **vm_connections,
         )
         creates = [create_vm]
         hosts = {}

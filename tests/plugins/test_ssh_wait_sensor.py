@@ -15,7 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from maxtext_sft import vm_access
 from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
 from maxtext_sft.sensors import vm as sensors
-from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
+from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from tests.plugins.test_spec import make_spec
 from tests.plugins.test_unreachable_bound import DagRun, StateStore
 
@@ -29,10 +29,13 @@ class FakeVm:
         self.now = 1_000.0
         self.status = "RUNNING"
         self.login: BaseException | None = OSError("[Errno 111] Connection refused")  # None: it works
+        self.logins: dict[str, BaseException | None] = {}  # a host's own, over `login`
+        self.not_running: dict[str, str] = {}  # a slice's hosts that are not RUNNING: their status
         self.host_keys = TARGET["host_keys"]
         self.target_error: BaseException | None = None
         self.os_login = None
         self.autostops = 0
+        self.autostopped: list[str] = []
 
 
 @pytest.fixture
@@ -47,9 +50,12 @@ def fake(monkeypatch):
             return vm.status
 
     class Hook:
+        def __init__(self, spec):
+            self.name = spec.vm_name
+
         def get_conn(self):
-            if vm.login:
-                raise vm.login
+            if error := vm.logins.get(self.name, vm.login):
+                raise error
             return self
 
         def __enter__(self):
@@ -76,13 +82,20 @@ def fake(monkeypatch):
 
     def autostop(spec, gcp_conn_id, ssh_conn_id, log):
         vm.autostops += 1
+        vm.autostopped.append(spec.vm_name)
+
+    def check_hosts_running(specs, gcp_conn_id):
+        for spec in specs:
+            if spec.vm_name in vm.not_running:
+                raise AirflowFailException(f"Host {spec.host_index} ({spec.vm_name}) is {vm.not_running[spec.vm_name]}")
 
     STORE.clear()
     monkeypatch.setattr(sensors.time, "time", lambda: vm.now)  # the sensor's and the probe's clock
     monkeypatch.setattr(sensors, "VmRemake", Remake)
     monkeypatch.setattr(sensors, "ssh_target", ssh_target)
     monkeypatch.setattr(sensors, "start_autostop", autostop)
-    monkeypatch.setattr(vm_access, "vm_ssh_hook", lambda *_, **__: Hook())
+    monkeypatch.setattr(sensors, "check_hosts_running", check_hosts_running)
+    monkeypatch.setattr(vm_access, "vm_ssh_hook", lambda spec, *_, **__: Hook(spec))
     monkeypatch.setattr(vm_access, "ComputeEngineEndpointHook", Compute)
     return vm
 
@@ -210,7 +223,7 @@ def test_a_refused_login_is_polled_on_by_the_trigger_for_the_grace_then_fails(fa
     # The guest agent may not have made the user yet: the trigger tries on until the grace ends.
     assert again.trigger.first_refused == 1_010
     assert again.trigger.refused_until == 1_010 + vm_access.LOGIN_GRACE_SECONDS
-    assert STORE == {"ssh_wait_since_try1_g0": 1_000, "login_refused_since_try1_g0": 1_010}
+    assert STORE == {"ssh_wait_since_try1_g0": 1_000, f"login_refused_since_{make_spec().vm_name}_try1_g0": 1_010}
     fake.now = 1_010 + vm_access.LOGIN_GRACE_SECONDS
     with pytest.raises(LoginRefused, match=r"for 90 s\)\. .*Param os_login"):
         resume(again, {"status": "refused", "kind": "login", "message": "10.0.0.2 refused", "first_refused": 1_010})
@@ -249,3 +262,66 @@ def test_a_retry_waits_its_own_bound(fake):
         assert deferred(lambda: check()).trigger.deadline == 1_600 + 600
     finally:
         Try.try_number = 1
+
+
+# ----- a slice: every host, one trigger for the hosts still waiting --------------------------------
+
+HOSTS = [{"name": f"slice-host-{n}", "ip": f"10.0.0.{n + 2}", "id": str(100 + n)} for n in range(3)]
+
+
+def slice_sensor():
+    from tests.plugins.test_slice_spec import make_slice_spec
+
+    return sensors.SliceSshReadySensor(
+        task_id="wait_for_ssh", spec=make_slice_spec(ssh_ready_timeout_seconds=600).to_dict(), hosts=HOSTS,
+        gcp_conn_id="gcp", ssh_conn_id="ssh", poke_interval=5, capacity_first_read_seconds=60,
+    )
+
+
+def resume_slice(deferral: TaskDeferred, event):
+    return slice_sensor().resume_execution(deferral.method_name, {"event": event}, context())
+
+
+def test_a_slice_defers_one_trigger_for_the_hosts_still_waiting(fake):
+    fake.logins = {"slice-host-0": None}  # host 0 answers the worker's check
+    deferral = deferred(lambda: slice_sensor().execute(context()))
+    assert fake.autostopped == ["slice-host-0"]
+    trigger = deferral.trigger
+    assert isinstance(trigger, SliceSshReadyTrigger) and deferral.method_name == "resume_after_logins"
+    assert [host["vm_name"] for host in trigger.hosts] == ["slice-host-1", "slice-host-2"]
+    assert {host["deadline"] for host in trigger.hosts} == {1_600} and trigger.first_event_after == 60
+    assert json.loads(json.dumps(trigger.serialize()[1])) == trigger.serialize()[1]
+
+    # The trigger saw both log in: their autostops, and the wait is over.
+    assert resume_slice(deferral, {"ready": ["slice-host-1", "slice-host-2"], "events": {}}) is None
+    assert fake.autostopped == ["slice-host-0", "slice-host-1", "slice-host-2"]
+
+
+def test_a_slice_host_refused_goes_back_to_the_trigger_with_the_others_still_waiting(fake):
+    deferral = deferred(lambda: slice_sensor().execute(context()))
+    fake.now, fake.logins = 1_020, {"slice-host-0": None}  # host 0 answers now
+    event = {"ready": ["slice-host-2"], "events": {"slice-host-1": {
+        "status": "refused", "kind": "login", "message": "10.0.0.3 refused", "first_refused": 1_010}}}
+    again = deferred(lambda: resume_slice(deferral, event))
+    assert fake.autostopped == ["slice-host-2", "slice-host-0"]  # no host's autostop twice
+    [host] = again.trigger.hosts
+    assert host["vm_name"] == "slice-host-1" and host["refused_until"] == 1_010 + vm_access.LOGIN_GRACE_SECONDS
+
+
+def test_a_slice_past_its_bound_names_every_waiting_hosts_last_error(fake):
+    deferral = deferred(lambda: slice_sensor().execute(context()))
+    fake.now += 600
+    unreachable = {"status": "unreachable", "error_type": "TimeoutError", "error": ""}
+    with pytest.raises(AirflowFailException) as failed:
+        resume_slice(deferral, {"ready": ["slice-host-0"], "events": {"slice-host-1": unreachable,
+                                                                         "slice-host-2": unreachable}})
+    reasons = str(failed.value).split("; ")
+    assert [reason.split()[1] for reason in reasons] == ["slice-host-1", "slice-host-2"]
+    assert all("answered no SSH login for 600 s" in reason and "did not complete" in reason for reason in reasons)
+
+
+def test_a_slice_host_gone_fails_the_run(fake):
+    deferral = deferred(lambda: slice_sensor().execute(context()))
+    fake.not_running = {"slice-host-2": "gone (deleted outside this run's teardown)"}
+    with pytest.raises(AirflowFailException, match=r"Host 2 \(slice-host-2\) is gone"):
+        resume_slice(deferral, {"ready": [], "events": {"slice-host-2": {"status": "look_again"}}})

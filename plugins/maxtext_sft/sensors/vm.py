@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +29,7 @@ from maxtext_sft.vm_access import (
     vm_ssh_hook,
 )
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
-from maxtext_sft.triggers.ssh_ready import SshReadyTrigger
+from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from maxtext_sft.triggers.training import (
     STATUS_LINE,
     TrainingStatusTrigger,
@@ -126,9 +127,8 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     go on on the triggerer (`SshReadyTrigger`), which hands back to the worker only what needs it
     (the login works: the worker starts the autostop; a login refused or a host key not the VM's;
     ssh_ready_timeout_seconds passed; the VM gone or stopped). With deferrable=False it pokes,
-    holding its worker slot."""
-
-    _login_probe: SshLoginProbe | None = None
+    holding its worker slot. What a wait keeps across its task processes (when it began, when
+    each host first refused the login, the hosts ready) is in the task state store, per try."""
 
     def __init__(
         self, *, capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS, deferrable: bool = True, **kwargs
@@ -136,6 +136,7 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         super().__init__(**kwargs)
         self.capacity_first_read_seconds = capacity_first_read_seconds
         self.deferrable = deferrable
+        self._probes: dict[str, SshLoginProbe] = {}  # one per host for this task process
 
     def poke(self, context) -> bool:
         spec = self.run_spec
@@ -143,42 +144,74 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         if status in (None, "TERMINATED"):
             self.log.warning("VM %s is %s: the next step makes it again", spec.vm_name, status or "gone")
             return True
-        probe = self._probe(context)
         try:
-            if not probe():
-                self._keep_first_refusal(context)
-                self._fail_past_the_bound(context)
-                return False
-            start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
-            return True
+            return self._logins(context, [spec], lambda _: self.log)
         except NotFound:  # deleted while this poke ran: as above
             self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
             return True
 
-    def _probe(self, context) -> SshLoginProbe:
-        """One probe for this wait (it keeps when a login was first refused, and the task state
-        store for the next task process of a deferred wait); the wait's clock starts with it."""
-        if self._login_probe is None:
-            store, key = self._state(context, self._try_key(context, "login_refused_since"))
-            self._login_probe = SshLoginProbe(
-                self.run_spec, self.gcp_conn_id, self.ssh_conn_id, self.log, first_refused=store.get(key)
+    def _logins(self, context, specs: list[RunSpec], log_of: Callable[[RunSpec], Any]) -> bool:
+        """Try the login on every host of `specs` not ready yet, start the autostop of each one it
+        works on (logging to `log_of(spec)`); whether all are ready. Fails past
+        ssh_ready_timeout_seconds, naming each host's last error."""
+        store, key = self._state(context, self._try_key(context, "ssh_ready_hosts"))
+        ready = list(store.get(key) or [])
+        for spec in specs:
+            if spec.vm_name in ready:
+                continue
+            host_log = log_of(spec)
+            if self._probe(context, spec, host_log)():
+                start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, host_log)
+                ready.append(spec.vm_name)
+                store.set(key, ready)
+            else:
+                self._keep_first_refusal(context, spec)
+        waiting = [spec for spec in specs if spec.vm_name not in ready]
+        if waiting:
+            self._fail_past_the_bound(context, waiting)
+        return not waiting
+
+    def _waiting_hosts(self, context) -> list[RunSpec]:
+        store, key = self._state(context, self._try_key(context, "ssh_ready_hosts"))
+        ready = store.get(key) or []
+        return [spec for spec in self.host_specs if spec.vm_name not in ready]
+
+    def _probe(self, context, spec: RunSpec, log=None) -> SshLoginProbe:
+        """One probe per host for this wait (it keeps when a login was first refused, and the task
+        state store for the next task process of a deferred wait); the wait's clock starts with
+        the first."""
+        if spec.vm_name not in self._probes:
+            store, key = self._state(context, self._try_key(context, f"login_refused_since_{spec.vm_name}"))
+            self._probes[spec.vm_name] = SshLoginProbe(
+                spec, self.gcp_conn_id, self.ssh_conn_id, log or self.log, first_refused=store.get(key)
             )
             self._wait_started(context)
-        return self._login_probe
+        return self._probes[spec.vm_name]
 
     def _wait_started(self, context) -> float:
         """When this try's wait began (epoch seconds): its first check."""
         return self._clock_start(context, self._try_key(context, "ssh_wait_since"))
 
-    def _keep_first_refusal(self, context) -> None:
-        store, key = self._state(context, self._try_key(context, "login_refused_since"))
-        if self._login_probe.first_refused is not None and store.get(key) is None:
-            store.set(key, self._login_probe.first_refused)
+    def _keep_first_refusal(self, context, spec: RunSpec, first_refused: float | None = None) -> None:
+        probe = self._probe(context, spec)
+        probe.first_refused = probe.first_refused or first_refused
+        store, key = self._state(context, self._try_key(context, f"login_refused_since_{spec.vm_name}"))
+        if probe.first_refused is not None and store.get(key) is None:
+            store.set(key, probe.first_refused)
 
-    def _fail_past_the_bound(self, context) -> None:
+    def _fail_past_the_bound(self, context, waiting: list[RunSpec], errors: dict[str, dict] | None = None) -> None:
+        """Fail once the wait is over ssh_ready_timeout_seconds, naming each waiting host's last
+        error (a trigger's, in `errors` by host, or its probe's)."""
         waited = time.time() - self._wait_started(context)
-        if waited >= self.run_spec.ssh_ready_timeout_seconds:
-            raise AirflowFailException(self._login_probe.unreachable_reason(waited))
+        if waited < self.run_spec.ssh_ready_timeout_seconds:
+            return
+        reasons = []
+        for spec in waiting:
+            if error := (errors or {}).get(spec.vm_name):
+                reasons.append(unreachable_reason(spec, waited, error["error_type"], error["error"]))
+            else:
+                reasons.append(self._probe(context, spec).unreachable_reason(waited))
+        raise AirflowFailException("; ".join(reasons))
 
     def execute(self, context):
         if not self.deferrable:
@@ -188,29 +221,33 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     # ----- deferrable: a check on the worker, then the triggerer's logins until one needs the worker -----
 
     def _check(self, context) -> None:
-        """One check on the worker, as a poke; while the VM does not answer, defer."""
+        """One check on the worker, as a poke; while a host does not answer, defer."""
         if not self.poke(context):
             self._defer_to_ssh_trigger(context)
 
-    def _defer_to_ssh_trigger(self, context) -> None:
-        spec, probe = self.run_spec, self._login_probe
+    def _host_trigger(self, context, spec: RunSpec) -> SshReadyTrigger | None:
+        """The SSH ready trigger of one waiting host (None: it is gone)."""
+        probe = self._probe(context, spec)
         try:
             target = ssh_target(spec, self.gcp_conn_id, host_keys_required=False)
-        except NotFound:  # deleted since the check: as a check that finds it gone, done
-            self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
-            return
+        except NotFound:  # deleted since the check
+            self.log.warning("VM %s does not exist (%s)", spec.vm_name, VM_GONE)
+            return None
         except transient_ssh_errors() as error:
             # Not answering the Compute API just now: the worker checks again after a pause, one
             # that waits out the executor's report of the deferral as the trigger's events do.
             _check_again_after(self, error, max(self.poke_interval, self.capacity_first_read_seconds))
-        grace_until = probe.first_refused + LOGIN_GRACE_SECONDS if probe.first_refused is not None else None
-        trigger = SshReadyTrigger(
+        return SshReadyTrigger(
             **_vm_ssh_trigger_args(self, spec, target),  # no host keys yet: the trigger reads them
-            deadline=self._wait_started(context) + spec.ssh_ready_timeout_seconds,
-            refused_until=grace_until,
+            deadline=self._wait_started(context) + self.run_spec.ssh_ready_timeout_seconds,
+            refused_until=probe.first_refused + LOGIN_GRACE_SECONDS if probe.first_refused is not None else None,
             first_refused=probe.first_refused,
         )
-        self.defer(trigger=trigger, method_name="resume_after_login")
+
+    def _defer_to_ssh_trigger(self, context) -> None:
+        if trigger := self._host_trigger(context, self.run_spec):
+            self.defer(trigger=trigger, method_name="resume_after_login")
+        self.log.warning("VM %s is gone: the next step makes it again", self.run_spec.vm_name)
 
     def resume_check(self, context, event=None):
         """After a pause with no SSH target: check on the worker again."""
@@ -219,26 +256,30 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     def resume_after_login(self, context, event: dict):
         """Back from the SSH trigger with what needs the worker (see triggers/ssh_ready.py)."""
         spec = self.run_spec
-        kind = event["status"]
-        if kind == "ready":
+        if event["status"] == "ready":
             try:
                 start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
             except NotFound:  # deleted since the login: as a check that finds it gone, done
                 self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
             return None
-        if kind == "look_again":
-            return self._check(context)
-        if kind == "unreachable":
-            waited = time.time() - self._wait_started(context)
-            raise AirflowFailException(unreachable_reason(spec, waited, event["error_type"], event["error"]))
-        if event["kind"] == "host_key":
-            raise HostKeyMismatch(event["message"])
-        probe = self._probe(context)
-        probe.first_refused = probe.first_refused or event["first_refused"]
-        self._keep_first_refusal(context)
-        probe.judge_refusal(LoginRefused(event["message"]))  # raises past the grace, or for OS Login
-        self._fail_past_the_bound(context)
-        self._defer_to_ssh_trigger(context)
+        return self._judge(context, {spec.vm_name: event})
+
+    def _judge(self, context, events: dict[str, dict]) -> None:
+        """What the hosts' events that need the worker (by host) say: the bound (fail, naming each
+        host's last error), a host key not the VM's (fail), a refused login (judged as the probe
+        judges one: OS Login, the grace); otherwise (the grace, the VM gone or stopped) the worker
+        checks again."""
+        specs = {spec.vm_name: spec for spec in self.host_specs}
+        if bound := {name: event for name, event in events.items() if event["status"] == "unreachable"}:
+            self._fail_past_the_bound(context, [specs[name] for name in bound], bound)
+        for name, event in events.items():
+            if event["status"] != "refused":
+                continue
+            if event["kind"] == "host_key":
+                raise HostKeyMismatch(event["message"])
+            self._keep_first_refusal(context, specs[name], event["first_refused"])
+            self._probe(context, specs[name]).judge_refusal(LoginRefused(event["message"]))  # raises past the grace
+        return self._check(context)
 
 
 class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
@@ -627,37 +668,39 @@ def _exit_text(exit_code: str | None) -> str:
 
 
 class SliceSshReadySensor(VmSshReadySensor):
-    """Wait until every host accepts the pipeline's SSH login, then start each one's autostop."""
-
-    _ready: set[str] | None = None
-
-    def __init__(self, **kwargs):
-        kwargs["deferrable"] = False  # not yet: it pokes every host, holding its worker slot
-        super().__init__(**kwargs)
+    """Wait until every host accepts the pipeline's SSH login, then start each one's autostop; a
+    host gone or not RUNNING fails the run. Deferrable as on one VM: one check of every host on the
+    worker, then `SliceSshReadyTrigger` tries the hosts still waiting, all at once."""
 
     def poke(self, context) -> bool:
         specs = self.host_specs
         check_hosts_running(specs, self.gcp_conn_id)
-        if self._ready is None:
-            self._ready, self._probes, self._waiting_since = set(), {}, time.monotonic()
-        for spec in specs:
-            if spec.vm_name in self._ready:
-                continue
-            log = HostLog(self.log, spec.vm_name)
-            probe = self._probes.setdefault(spec.vm_name, SshLoginProbe(spec, self.gcp_conn_id, self.ssh_conn_id, log))
-            if probe():
-                start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, log)
-                self._ready.add(spec.vm_name)
-        waiting = [spec for spec in specs if spec.vm_name not in self._ready]
-        if not waiting:
+        if self._logins(context, specs, lambda spec: HostLog(self.log, spec.vm_name)):
             return True
-        waited = time.monotonic() - self._waiting_since
-        if waited >= self.run_spec.ssh_ready_timeout_seconds:
-            raise AirflowFailException(
-                "; ".join(self._probes[spec.vm_name].unreachable_reason(waited) for spec in waiting)
-            )
-        self.log.info("%d of %d hosts answer SSH", len(specs) - len(waiting), len(specs))
+        self.log.info("%d of %d hosts answer SSH", len(specs) - len(self._waiting_hosts(context)), len(specs))
         return False
+
+    def _defer_to_ssh_trigger(self, context) -> None:
+        triggers = [self._host_trigger(context, spec) for spec in self._waiting_hosts(context)]
+        if None in triggers:  # a host gone since the check: this fails the run, naming it
+            check_hosts_running(self.host_specs, self.gcp_conn_id)
+            _check_again_after(self, "a host's address not found", max(self.poke_interval, self.capacity_first_read_seconds))
+        trigger = SliceSshReadyTrigger(
+            hosts=[trigger.serialize()[1] for trigger in triggers], first_event_after=self.capacity_first_read_seconds
+        )
+        self.defer(trigger=trigger, method_name="resume_after_logins")
+
+    def resume_after_logins(self, context, event: dict):
+        """Back from the slice's SSH trigger: the hosts whose login worked, and the events of
+        those that need the worker (see triggers/ssh_ready.py)."""
+        specs = {spec.vm_name: spec for spec in self.host_specs}
+        store, key = self._state(context, self._try_key(context, "ssh_ready_hosts"))
+        for name in event["ready"]:
+            start_autostop(specs[name], self.gcp_conn_id, self.ssh_conn_id, HostLog(self.log, name))
+            store.set(key, [*(store.get(key) or []), name])
+        if not event["events"]:
+            return None
+        return self._judge(context, event["events"])
 
 
 class SliceTrainingSensor(TrainingCheckpointSensor):
