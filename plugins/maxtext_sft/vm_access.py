@@ -207,7 +207,7 @@ def unreachable_reason(spec: RunSpec, seconds: float, error_type: str | None, er
     head = f"VM {spec.vm_name} answered no SSH login for {seconds:.0f} s (ssh_ready_timeout_seconds), reached {how}"
     if error_type == HostKeysNotPublished.__name__:
         return f"{head}: its guest agent published no host keys (guest attributes): {error}"
-    text = f"{error_type}: {error}" if error_type else "no answer"
+    text = (f"{error_type}: {error}" if error else error_type) if error_type else "no answer"
     if "refused" in text.lower() or error_type == ConnectionRefusedError.__name__:
         why = "port 22 refused the connection: nothing listens, or a firewall rejects it"
     else:

@@ -198,3 +198,21 @@ def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_
     assert event == {"ready": [], "events": {"no-such-vm": {"status": "look_again"}}}
     assert time.monotonic() - started < 30 and len(logins) == 1
     assert asyncio.run(closed(logins[0]))
+
+
+def test_host_keys_the_compute_api_could_not_read_are_read_again_at_the_next_poll(vm, monkeypatch):
+    spec, address, _, _ = vm
+    from maxtext_sft import vm_access
+
+    reads = []
+    read = vm_access.published_host_keys
+
+    def flaky(*args):
+        reads.append(args)
+        if len(reads) == 1:
+            raise RuntimeError("503 backendError")  # as a Compute API that answers 503 raises
+        return read(*args)
+
+    monkeypatch.setattr(vm_access, "published_host_keys", flaky)
+    assert first_event(trigger_for(spec, address, {})) == {"status": "ready"}
+    assert len(reads) == 2

@@ -56,10 +56,16 @@ class SshReadyTrigger(VmSshTrigger):
         return {**super()._kwargs(), "refused_until": self.refused_until, "first_refused": self.first_refused}
 
     def _host_keys(self) -> dict[str, str]:
-        """The keys the VM published; raises HostKeysNotPublished (blocking: run in a thread)."""
-        from maxtext_sft.vm_access import published_host_keys
+        """The keys the VM published; raises HostKeysNotPublished, also when the Compute API could
+        not be read this time (the next poll reads again). Blocking: run in a thread."""
+        from maxtext_sft.vm_access import HostKeysNotPublished, published_host_keys
 
-        return published_host_keys(self.gcp_conn_id, self.vm_name, self.zone, self.project_id)
+        try:
+            return published_host_keys(self.gcp_conn_id, self.vm_name, self.zone, self.project_id)
+        except HostKeysNotPublished:
+            raise
+        except Exception as error:  # noqa: BLE001 - a read that fails says nothing about the VM
+            raise HostKeysNotPublished(f"could not read the SSH host keys of VM {self.vm_name}: {error}") from error
 
     async def _login(self, host_keys: dict[str, str]) -> int:
         """One connection, one `true`: its exit status."""
