@@ -33,19 +33,25 @@ class HostLog:
         return lambda message, *args, **kwargs: method(f"[{self._host}] {message}", *args, **kwargs)
 
 
+def host_state(hook: ComputeEngineEndpointHook, *, vm_name: str, zone: str, project_id: str, instance_id: str) -> str:
+    """What the Compute API says of a slice's host: its status (RUNNING while it trains), or that it
+    is gone: deleted, or deleted and re-created by its group under the same name (another
+    instance than `instance_id`, the one the slice formed with: a blank disk, no training)."""
+    try:
+        instance = hook.get_instance(resource_id=vm_name, zone=zone, project_id=project_id)
+    except NotFound:
+        return "gone (deleted outside this run's teardown)"
+    if instance_id and str(instance.id) != instance_id:
+        return f"gone: deleted outside this run's teardown, and re-created by its group as instance {instance.id}"
+    return instance.status
+
+
 def check_hosts_running(specs: list[RunSpec], gcp_conn_id: str) -> None:
     """Fail, naming the host, unless every one of them is RUNNING and still the instance the slice
-    formed with: a group re-creates a deleted host under the same name (a new instance id, a
-    blank disk, no training)."""
+    formed with (`host_state`)."""
     hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
     for spec in specs:
-        try:
-            instance = hook.get_instance(resource_id=spec.vm_name, zone=spec.zone, project_id=spec.project_id)
-            status = instance.status
-            if spec.host_id and str(instance.id) != spec.host_id:
-                status = f"gone: deleted outside this run's teardown, and re-created by its group as instance {instance.id}"
-        except NotFound:
-            status = "gone (deleted outside this run's teardown)"
+        status = host_state(hook, vm_name=spec.vm_name, zone=spec.zone, project_id=spec.project_id, instance_id=spec.host_id)
         if status != "RUNNING":
             raise AirflowFailException(f"Host {spec.host_index} ({spec.vm_name}) of slice {spec.group_name} is {status}: {NOT_RECOVERED}")
 

@@ -72,11 +72,31 @@ def tail_start(output: list[str]) -> int:
     return max(0, len(output) - TAIL_LINES - 1)
 
 
+def tail_for_the_worker(ordered: list[str]) -> list[str]:
+    """Of training_status.sh's lines, status line last (`status_last`), what the worker's judgement
+    needs: the failure's "--- tail" (with that line, for the worker's tail_start), else the last
+    40 lines, and the status line."""
+    return ordered[max(0, tail_start(ordered) - 1) :]
+
+
 def needs_the_worker(fields: dict[str, str], stall_timeout_seconds: float) -> bool:
     """Whether a status is for the worker to act on: anything but a training running and stepping."""
     if fields.get("reason") == "no-training-started" or fields.get("state") != "running":
         return True
     return (number(fields.get("idle_seconds")) or 0) > stall_timeout_seconds
+
+
+def error_text(error: BaseException) -> str:
+    """An error's type and text, for a log line or an event (its type alone when it has no text)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def unanswered_errors() -> tuple[type[BaseException], ...]:
+    """What a check raises when the VM did not answer (for `except`: evaluated only when something
+    was raised); a refusal (`TrainingStatusTrigger._refusal`) is among them."""
+    import asyncssh
+
+    return (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
 
 
 def log_training_lines(log: Any, lines: list[str]) -> None:
@@ -148,6 +168,21 @@ class TrainingStatusTrigger(VmSshTrigger):
         status = result.exit_status if result.exit_status is not None else -1
         return status, [line.rstrip("\r") for line in (result.stdout or "").splitlines()]
 
+    def _refusal(self, error: BaseException) -> dict[str, str] | None:
+        """The event of a check SSH refused: not the VM's host key, or its login; None for another error."""
+        import asyncssh
+
+        if isinstance(error, asyncssh.HostKeyNotVerifiable):
+            message = (
+                f"SSH host key of {self.host} is not one the VM {self.vm_name} published in its guest "
+                f"attributes (hostkeys/): refusing to connect ({error})"
+            )
+            return {"status": "refused", "kind": "host_key", "message": message}
+        if isinstance(error, asyncssh.PermissionDenied):
+            return {"status": "refused", "kind": "login",
+                    "message": f"{self.host} refused the SSH login with the connection's key: {error}"}
+        return None
+
     def _prune(self) -> None:
         from maxtext_sft.hooks.storage import StorageEndpointHook
 
@@ -157,9 +192,6 @@ class TrainingStatusTrigger(VmSshTrigger):
 
     async def _watch(self) -> dict[str, Any]:
         """Poll until something needs the worker: the event's payload."""
-        import asyncssh
-
-        unreachable = (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)  # the VM did not answer
         answered, last_step = False, None
         unreachable_deadline = self.unreachable_deadline
         pause = self.first_poll_after
@@ -170,19 +202,10 @@ class TrainingStatusTrigger(VmSshTrigger):
                 return {"status": "timeout", "last_step": last_step, "answered": answered}
             try:
                 status, output = await self._read()
-            except asyncssh.HostKeyNotVerifiable as error:
-                message = (
-                    f"SSH host key of {self.host} is not one the VM {self.vm_name} published in its guest "
-                    f"attributes (hostkeys/): refusing to connect ({error})"
-                )
-                return {"status": "refused", "kind": "host_key", "message": message, "last_step": last_step,
-                        "answered": answered}
-            except asyncssh.PermissionDenied as error:
-                message = f"{self.host} refused the SSH login with the connection's key: {error}"
-                return {"status": "refused", "kind": "login", "message": message, "last_step": last_step,
-                        "answered": answered}
-            except unreachable as error:
-                text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            except unanswered_errors() as error:
+                if refused := self._refusal(error):
+                    return {**refused, "last_step": last_step, "answered": answered}
+                text = error_text(error)
                 self.log.warning("Could not check training on %s this time: %s", self.vm_name, text)
                 if unreachable_deadline is None or time.time() >= unreachable_deadline or await self._vm_lost():
                     return {"status": "unreachable", "error": text, "last_step": last_step, "answered": answered}
@@ -197,8 +220,7 @@ class TrainingStatusTrigger(VmSshTrigger):
             last_step = number(fields.get("last_step"))
             log_training_lines(self.log, ordered[:-1])
             if needs_the_worker(fields, self.stall_timeout_seconds):
-                start = max(0, tail_start(ordered) - 1)  # with the "--- tail" line, for the worker's tail_start
-                return {"status": "training", "exit_status": status, "output": ordered[start:],
+                return {"status": "training", "exit_status": status, "output": tail_for_the_worker(ordered),
                         "last_step": last_step, "answered": True}
             self.log.info(
                 "Training %s: state %s, last step %s, loss %s",
@@ -206,3 +228,4 @@ class TrainingStatusTrigger(VmSshTrigger):
             )
             if self.checkpoints_dir and self.checkpoints_kept is not None:
                 await asyncio.to_thread(self._prune)
+
