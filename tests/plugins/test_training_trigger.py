@@ -9,9 +9,11 @@ import base64
 import re
 import shlex
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import pytest
+from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
@@ -24,23 +26,27 @@ SSH_CONN_ID = "maxtext_sft_vm_ssh"
 GCP_CONN_ID = "google_cloud_default"
 
 
-@pytest.fixture(scope="module")
-def vm(pipeline_connections, local_cloud):
-    """One VM made from a RunSpec's insert body (the pipeline's own key and user), the step
-    scripts uploaded: (spec, address, host keys, a paramiko hook to it)."""
+def vm_spec(name: str):
+    """A RunSpec of its own run (its VM's name, its run folder), with the pipeline's key and user."""
     from airflow.providers.ssh.hooks.ssh import SSHHook
 
     key = SSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="unused").pkey
-    spec = build_run_spec(
+    return build_run_spec(
         {"reservation": LOCAL_RUN_CONF["reservation"], "project_id": LOCAL_PROJECT, "steps": 5},
         dag_id="trigger_tests",
-        run_id=f"manual__{time.time()}",
+        run_id=f"manual__{name}_{time.time()}",
         generation=0,
         started=datetime.now(timezone.utc),
         default_project_id=None,
         ssh_user="maxtext",
         ssh_public_key=f"{key.get_name()} {key.get_base64()}",
     )
+
+
+@contextmanager
+def made_vm(spec):
+    """A VM made from `spec`'s insert body, the step scripts uploaded: (spec, address, host keys,
+    a paramiko hook to it); deleted on leaving (if it still exists)."""
     compute = ComputeEngineEndpointHook(gcp_conn_id=GCP_CONN_ID)
     where = {"zone": spec.zone, "project_id": spec.project_id}
     compute.insert_instance(body=spec.instance_body(), **where)
@@ -62,7 +68,18 @@ def vm(pipeline_connections, local_cloud):
                 time.sleep(0.5)  # polling interval: sshd starts with the VM
         yield spec, address, keys, hook
     finally:
-        compute.delete_instance(resource_id=spec.vm_name, **where)
+        try:
+            compute.delete_instance(resource_id=spec.vm_name, **where)
+        except NotFound:
+            pass  # a test deleted it
+
+
+@pytest.fixture(scope="module")
+def vm(pipeline_connections, local_cloud):
+    """One VM made from a RunSpec's insert body (the pipeline's own key and user), the step
+    scripts uploaded: (spec, address, host keys, a paramiko hook to it)."""
+    with made_vm(vm_spec("vm")) as made:
+        yield made
 
 
 def run_on_vm(hook: VmSSHHook, script: str) -> None:

@@ -23,6 +23,10 @@ Events (one, then the trigger ends); each carries `last_step` (the last step see
   {"status": "timeout"}   `deadline` (training_timeout_hours) passed
 No event leaves before `first_event_after` seconds from the trigger's start (triggers/vm_ssh.py:
 apache/airflow#72716); the polls and their log lines do not wait.
+
+A slice: `SliceTrainingStatusTrigger` watches host 0 as above and, at each poll, reads every other
+host's status and asks the Compute API whether a host is lost; its event is host 0's, or names
+the hosts whose training died or that are lost (see that class).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.sizing import prunable_steps
-from maxtext_sft.triggers.vm_ssh import VmSshTrigger
+from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 TAIL_MARKER = "--- tail of "
@@ -84,6 +88,13 @@ def needs_the_worker(fields: dict[str, str], stall_timeout_seconds: float) -> bo
     if fields.get("reason") == "no-training-started" or fields.get("state") != "running":
         return True
     return (number(fields.get("idle_seconds")) or 0) > stall_timeout_seconds
+
+
+def training_died(fields: dict[str, str]) -> bool:
+    """Whether a status says the training process is dead: exited non-zero, killed before it
+    wrote its exit code, or never started (reason=no-training-started). What a slice's other host
+    is watched for: its own end, a success included, is host 0's to judge."""
+    return fields.get("state") == "failed"
 
 
 def error_text(error: BaseException) -> str:
@@ -229,3 +240,96 @@ class TrainingStatusTrigger(VmSshTrigger):
             if self.checkpoints_dir and self.checkpoints_kept is not None:
                 await asyncio.to_thread(self._prune)
 
+
+class SliceTrainingStatusTrigger(HeldEventTrigger):
+    """A slice's training: TrainingStatusTrigger's watch of host 0, and at each poll (host 0's
+    pace) every other host's training_status.sh (its status only: host 0's log is the
+    training's) and every host's instance in the Compute API, until host 0's watch ends or a host
+    needs the worker. `hosts`: each host's TrainingStatusTrigger arguments (plain values), in
+    worker order (the deadline, the unreachable bound and the pruning are host 0's watch's alone);
+    `instance_ids`: each host's instance id when the slice formed, by name.
+
+    Event: {"host_0": TrainingStatusTrigger's event or None, "hosts": {vm_name: event}}: host 0's
+    event when its watch ended, and the events of the hosts that need the worker:
+      {"status": "training", "output": [...]}   another host's training died (training_status.sh's
+          state=failed: exited non-zero, killed, or never started): the tail the worker names,
+          the status line last
+      {"status": "refused", "kind": "host_key" | "login", "message": ...}   as host 0's
+      {"status": "lost", "state": ...}   the Compute API says the host (host 0 too) is gone,
+          re-created by its group, or not RUNNING (slice_hosts.host_state)
+    Another host that does not answer a poll is not a death: host 0's stall check still runs (a
+    silent host stops every host's steps). The reads still under way when the event leaves are
+    cancelled, their connections closed.
+    """
+
+    def __init__(self, *, hosts: list[dict[str, Any]], instance_ids: dict[str, str], first_event_after: float = 0):
+        super().__init__()
+        self.hosts = [dict(host) for host in hosts]
+        self.instance_ids = dict(instance_ids)
+        self.first_event_after = float(first_event_after)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"hosts": self.hosts, "instance_ids": self.instance_ids, "first_event_after": self.first_event_after})
+
+    async def _watch(self) -> dict[str, Any]:
+        host_0 = TrainingStatusTrigger(**self.hosts[0])
+        watches = {
+            asyncio.ensure_future(host_0._watch()): "host_0",
+            asyncio.ensure_future(self._watch_every_host(host_0)): "hosts",
+        }
+        event: dict[str, Any] = {"host_0": None, "hosts": {}}
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            for watch in done:
+                event[watches[watch]] = watch.result()
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+        return event
+
+    async def _watch_every_host(self, host_0: TrainingStatusTrigger) -> dict[str, dict[str, Any]]:
+        """Every host's instance and every other host's training, at host 0's pace, until a host
+        needs the worker: those hosts' events, by name."""
+        others = [TrainingStatusTrigger(**host) for host in self.hosts[1:]]
+        pause = host_0.first_poll_after
+        while True:
+            await asyncio.sleep(pause)
+            pause = host_0.poll_interval
+            states = await asyncio.gather(*(asyncio.to_thread(self._instance_state, host) for host in self.hosts))
+            if lost := {host["vm_name"]: {"status": "lost", "state": state}
+                        for host, state in zip(self.hosts, states) if state not in (None, "RUNNING")}:
+                return lost
+            events = await asyncio.gather(*(self._other_host(host) for host in others))
+            if dead := {host.vm_name: event for host, event in zip(others, events) if event}:
+                return dead
+
+    def _instance_state(self, host: dict[str, Any]) -> str | None:
+        """What the Compute API says of a host (slice_hosts.host_state); None when it could not be
+        read this time (the next poll reads again). Blocking: run in a thread."""
+        from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+        from maxtext_sft.slice_hosts import host_state
+
+        name = host["vm_name"]
+        try:
+            return host_state(ComputeEngineEndpointHook(gcp_conn_id=host["gcp_conn_id"]), vm_name=name,
+                              zone=host["zone"], project_id=host["project_id"], instance_id=self.instance_ids.get(name, ""))
+        except Exception as error:  # noqa: BLE001 - a read that fails says nothing about the host
+            self.log.warning("Could not read the status of VM %s: %s", name, error)
+            return None
+
+    async def _other_host(self, host: TrainingStatusTrigger) -> dict[str, Any] | None:
+        """Another host's event if it needs the worker (its training died, or SSH refused the
+        check), else None: its training runs or ended on its own, or it did not answer this time."""
+        try:
+            _, output = await host._read()
+        except unanswered_errors() as error:
+            if refused := host._refusal(error):
+                return refused
+            self.log.warning("Could not check training on host %s this time: %s", host.vm_name, error_text(error))
+            return None
+        ordered = status_last(output)
+        if ordered is None or not training_died(status_fields(ordered[-1])):
+            return None
+        return {"status": "training", "output": tail_for_the_worker(ordered)}
