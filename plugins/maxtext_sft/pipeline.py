@@ -260,11 +260,11 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
         "start_training", "start_training", "train", on_all_hosts=True, results=convert_checkpoint.output
     )
     # A VM lost mid-training is recreated here and the training resumed (max_vm_recoveries); a
-    # slice's lost host fails the run (slice_hosts.py).
+    # slice's lost host fails the run (slice_hosts.py). Deferred to the triggerer between its checks
+    # ([maxtext_sft] training_wait_deferrable; false: reschedule mode).
     wait_for_final_checkpoint = (SliceTrainingSensor if tpu_slice else TrainingCheckpointSensor)(
         task_id="wait_for_final_checkpoint", spec=run["spec"], task_group=phase["train"], **hosts, **step_connections,
-        # The slice's sensor pokes in reschedule mode (its checks read every host).
-        **({} if tpu_slice else {"deferrable": training_wait_deferrable()}),
+        deferrable=training_wait_deferrable(),
     )
 
     # 5. Convert MaxText -> Hugging Face (on host 0); the model card and the run record go next to it.

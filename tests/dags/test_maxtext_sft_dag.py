@@ -31,12 +31,17 @@ TASK_ORDER = [
 
 
 @pytest.fixture(scope="module")
-def dag():
+def dag_bag():
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(str(REPO / "dags"))
     assert bag.import_errors == {}
-    return bag.dags["maxtext_sft"]
+    return bag
+
+
+@pytest.fixture(scope="module")
+def dag(dag_bag):
+    return dag_bag.dags["maxtext_sft"]
 
 
 @pytest.mark.parametrize(
@@ -119,6 +124,15 @@ def test_tags_retries_and_waiting_modes(dag):
     # Deferred to the triggerer while the VM does not answer; pokes with ssh_wait_deferrable=false.
     assert dag.get_task("wait_for_ssh").deferrable is True
     assert dag.dagrun_timeout is None  # a run timeout would skip the delete (apache/airflow#30264)
+
+
+def test_a_slices_waits_are_deferrable_too(dag_bag):
+    """Its training wait watches every host from the triggerer; reschedule mode with training_wait_deferrable=false."""
+    slice_dag = dag_bag.dags["maxtext_sft_slice"]
+    wait = slice_dag.get_task("wait_for_final_checkpoint")
+    assert type(wait).__name__ == "SliceTrainingSensor"
+    assert wait.deferrable is True and wait.mode == "reschedule"
+    assert slice_dag.get_task("wait_for_ssh").deferrable is True
 
 
 def test_params_cover_the_tutorial_with_its_defaults(dag):

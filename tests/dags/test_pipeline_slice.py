@@ -229,7 +229,7 @@ def test_a_host_killed_mid_training_fails_the_run_naming_it_and_leaves_nothing(
         try:
             wait_until(
                 lambda: shared_airflow.task_states(run_id, DAG_ID).get("wait_for_final_checkpoint")
-                in ("running", "up_for_reschedule"),
+                in ("running", "deferred", "up_for_reschedule"),
                 300,
                 "training to be watched",
             )

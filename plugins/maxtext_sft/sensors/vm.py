@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -32,10 +33,12 @@ from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_
 from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from maxtext_sft.triggers.training import (
     STATUS_LINE,
+    SliceTrainingStatusTrigger,
     TrainingStatusTrigger,
     log_training_lines,
     prune_checkpoints,
     status_last,
+    training_died,
 )
 from maxtext_sft.triggers.training import number as _number
 from maxtext_sft.triggers.training import status_fields as _status_fields
@@ -434,13 +437,16 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         self._defer_to_status_trigger(context)
 
     def _defer_to_status_trigger(self, context) -> None:
-        spec = self.run_spec
+        self.defer(trigger=self._status_trigger(context, self.run_spec), method_name="resume_after_status")
+
+    def _status_trigger(self, context, spec: RunSpec) -> TrainingStatusTrigger:
+        """The status trigger of `spec`'s VM, to the wait's deadline and the VM's unreachable bound."""
         try:
             target = ssh_target(spec, self.gcp_conn_id)
         except (NotFound, HostKeysNotPublished, *transient_ssh_errors()) as error:
             # Gone, or booting, since the check: the next check on the worker finds out which.
             _check_again_after(self, error, self.poke_interval)
-        trigger = TrainingStatusTrigger(
+        return TrainingStatusTrigger(
             **_vm_ssh_trigger_args(self, spec, target),
             command=remote_command("training_status", spec),
             command_timeout=STEPS["training_status"].timeout_seconds(spec),
@@ -451,7 +457,6 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             checkpoints_dir=spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
             checkpoints_kept=spec.checkpoints_kept,
         )
-        self.defer(trigger=trigger, method_name="resume_after_status")
 
     def resume_check(self, context, event: dict | None = None):
         """After a pause with no SSH target: check on the worker again."""
@@ -461,6 +466,13 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     def resume_after_status(self, context, event: dict):
         """Back from the status trigger with what needs the worker (see triggers/training.py)."""
         self._take_spec_timings()
+        answer = self._answer_to(context, event)
+        if answer is None:  # no status line: the worker's own check uploads the step scripts
+            return self._check(context)
+        return self._done_or_defer(context, answer)
+
+    def _answer_to(self, context, event: dict) -> bool | PokeReturnValue | None:
+        """What a status event says, as a poke's answer; None for an event without a status."""
         spec = self.run_spec
         if event.get("answered"):
             self._stop_clock(context, "unreachable_since")
@@ -474,12 +486,10 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         if kind == "no_status":
             self.log.warning("training_status.sh gave no status on the triggerer (exit %s): %s; checking from the "
                              "worker, which uploads the step scripts", event["exit_status"], event["output"])
-            return self._check(context)
+            return None
         if kind == "unreachable":
-            result = self._unreachable(context, spec, event["error"])
-        else:
-            result = self._judge(context, spec, event["exit_status"], event["output"], logged=True)
-        return self._done_or_defer(context, result)
+            return self._unreachable(context, spec, event["error"])
+        return self._judge(context, spec, event["exit_status"], event["output"], logged=True)
 
     def _unreachable_deadline(self, context, spec: RunSpec) -> float | None:
         """Until when an unanswering VM is polled without the worker: the bound `_unreachable`
@@ -710,19 +720,25 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
     host's training (JAX's coordination service aborts the others), so when host 0's ended too,
     the hosts whose process died on its own are named first: they are the cause.
 
-    Not deferrable (yet): its trigger would have to watch every host, not host 0 only; it pokes
-    in reschedule mode."""
-
-    def __init__(self, **kwargs):
-        kwargs["deferrable"] = False
-        super().__init__(**kwargs)
+    Deferrable as on one VM: one check of every host on the worker, then
+    `SliceTrainingStatusTrigger` watches host 0 as `TrainingStatusTrigger` does, and at each poll
+    reads every other host's status and asks the Compute API about every host; it hands back
+    host 0's event, another host's dead training, or a host lost, each judged as a poke judges it.
+    With deferrable=False it pokes in reschedule mode."""
 
     def poke(self, context):
         check_hosts_running(self.host_specs, self.gcp_conn_id)
         if deaths := self._worker_deaths():
             raise AirflowFailException("\n".join(deaths))
-        try:
+        with self._other_hosts_deaths_first():
             return super().poke(context)
+
+    @contextmanager
+    def _other_hosts_deaths_first(self):
+        """Host 0's judgement; when it fails the run and another host's training died on its own,
+        that host is named first, as the cause."""
+        try:
+            yield
         except AirflowFailException as ended:
             if deaths := self._worker_deaths():
                 raise AirflowFailException("\n".join([*deaths, f"Host 0: {ended}"])) from None
@@ -740,21 +756,61 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
             # Host 0's stall check still runs: a silent worker stops every host's steps.
             self.log.warning("Could not check training on host %s this time: %s", spec.vm_name, error)
             return None
+        return self._death(spec, output)
+
+    def _death(self, spec: RunSpec, output: list[str]) -> str | None:
+        """What ended the training on `spec`'s host, from training_status.sh's lines there: None
+        unless its process died (`training_died`)."""
         status = next((line for line in reversed(output) if STATUS_LINE.match(line)), None)
         if status is None:
             return None
         fields = _status_fields(status)
+        if not training_died(fields):
+            return None
         if fields.get("reason") == "no-training-started":
             return f"No training was ever started on host {spec.host_index} ({spec.vm_name})"
-        if fields.get("state") == "failed":  # training_status.sh: exited non-zero, or killed unrecorded
-            lines = [line for line in output if not STATUS_LINE.match(line)]
-            code = fields.get("exit_code")
-            how = _exit_text(code) if code != "none" else "died without writing its exit code (killed)"
-            return (
-                f"Training {spec.run_name} {how} on host {spec.host_index} "
-                f"({spec.vm_name}); last log lines:\n" + "\n".join(lines[_tail_start(lines):])
-            )
-        return None
+        lines = [line for line in output if not STATUS_LINE.match(line)]
+        code = fields.get("exit_code")
+        how = _exit_text(code) if code != "none" else "died without writing its exit code (killed)"
+        return (
+            f"Training {spec.run_name} {how} on host {spec.host_index} "
+            f"({spec.vm_name}); last log lines:\n" + "\n".join(lines[_tail_start(lines):])
+        )
+
+    # ----- deferrable: the slice's status trigger, and what its events say --------------------------
+
+    def _defer_to_status_trigger(self, context) -> None:
+        triggers = [self._status_trigger(context, spec) for spec in self.host_specs]
+        trigger = SliceTrainingStatusTrigger(
+            hosts=[trigger.serialize()[1] for trigger in triggers],
+            instance_ids={spec.vm_name: spec.host_id for spec in self.host_specs},
+            first_event_after=self.capacity_first_read_seconds,
+        )
+        self.defer(trigger=trigger, method_name="resume_after_hosts")
+
+    def _answer_to(self, context, event: dict) -> bool | PokeReturnValue | None:
+        """Host 0's status event, judged as on one VM; the other hosts' deaths named first."""
+        with self._other_hosts_deaths_first():
+            return super()._answer_to(context, event)
+
+    def resume_after_hosts(self, context, event: dict):
+        """Back from the slice's status trigger (see triggers/training.py), judged in a poke's
+        order: a host lost fails the run, naming it; then the other hosts' dead trainings (from
+        the trigger's reads) or refusals; then host 0's event, as on one VM."""
+        check_hosts_running(self.host_specs, self.gcp_conn_id)
+        events = event["hosts"]
+        others = [spec for spec in self.host_specs[1:] if spec.vm_name in events]
+        deaths = [self._death(spec, events[spec.vm_name]["output"])
+                  for spec in others if events[spec.vm_name]["status"] == "training"]
+        if deaths := [death for death in deaths if death]:
+            raise AirflowFailException("\n".join(deaths))
+        for spec in others:
+            if (refused := events[spec.vm_name])["status"] == "refused":
+                message = f"Host {spec.host_index} ({spec.vm_name}): {refused['message']}"
+                raise (HostKeyMismatch if refused["kind"] == "host_key" else LoginRefused)(message)
+        if event["host_0"] is None:  # a host the Compute API called lost is RUNNING now: check again
+            return self.resume_check(context)
+        return self.resume_after_status(context, event["host_0"])
 
     def _recover(self, context, spec: RunSpec, reason: str, *, replace: bool = False) -> None:
         raise AirflowFailException(f"{reason}: {NOT_RECOVERED}")
