@@ -32,7 +32,7 @@ import asyncio
 import time
 from typing import Any
 
-from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger
+from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger, cancel_all
 
 COMMAND = "true"  # the login's only command
 
@@ -135,9 +135,8 @@ class SliceSshReadyTrigger(HeldEventTrigger):
         self.hosts = [dict(host) for host in hosts]
         self.first_event_after = float(first_event_after)
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"hosts": self.hosts, "first_event_after": self.first_event_after})
+    def _kwargs(self) -> dict[str, Any]:
+        return {"hosts": self.hosts, "first_event_after": self.first_event_after}
 
     async def _watch(self) -> dict[str, Any]:
         watches = {asyncio.ensure_future(SshReadyTrigger(**host)._watch()): host["vm_name"] for host in self.hosts}
@@ -159,7 +158,5 @@ class SliceSshReadyTrigger(HeldEventTrigger):
                 done, pending = await asyncio.wait(pending)  # the same bound: each host's last error
                 take(done)
         finally:
-            for watch in watches:
-                watch.cancel()
-            await asyncio.gather(*watches, return_exceptions=True)
+            await cancel_all(watches)
         return {"ready": sorted(ready), "events": events}

@@ -39,7 +39,7 @@ from typing import Any
 
 from maxtext_sft.loss_curve import STEP_LINE
 from maxtext_sft.sizing import prunable_steps
-from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger
+from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger, cancel_all
 
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 TAIL_MARKER = "--- tail of "
@@ -268,9 +268,8 @@ class SliceTrainingStatusTrigger(HeldEventTrigger):
         self.instance_ids = dict(instance_ids)
         self.first_event_after = float(first_event_after)
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"hosts": self.hosts, "instance_ids": self.instance_ids, "first_event_after": self.first_event_after})
+    def _kwargs(self) -> dict[str, Any]:
+        return {"hosts": self.hosts, "instance_ids": self.instance_ids, "first_event_after": self.first_event_after}
 
     async def _watch(self) -> dict[str, Any]:
         host_0 = TrainingStatusTrigger(**self.hosts[0])
@@ -284,9 +283,7 @@ class SliceTrainingStatusTrigger(HeldEventTrigger):
             for watch in done:
                 event[watches[watch]] = watch.result()
         finally:
-            for watch in watches:
-                watch.cancel()
-            await asyncio.gather(*watches, return_exceptions=True)
+            await cancel_all(watches)
         return event
 
     async def _watch_every_host(self, host_0: TrainingStatusTrigger) -> dict[str, dict[str, Any]]:

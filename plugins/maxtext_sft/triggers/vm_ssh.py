@@ -33,6 +33,20 @@ class HeldEventTrigger(BaseTrigger):
         """Poll until something needs the worker: the event's payload."""
         raise NotImplementedError
 
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{type(self).__module__}.{type(self).__qualname__}", self._kwargs()
+
+    def _kwargs(self) -> dict[str, Any]:
+        """The constructor's arguments, as plain JSON values."""
+        raise NotImplementedError
+
+
+async def cancel_all(watches) -> None:
+    """Cancel the watches still under way and wait for them to end (their connections closed)."""
+    for watch in watches:
+        watch.cancel()
+    await asyncio.gather(*watches, return_exceptions=True)
+
 
 class VmSshTrigger(HeldEventTrigger):
     """Poll the VM every `poll_interval` (the first after `first_poll_after`) until `_watch` returns
@@ -73,9 +87,6 @@ class VmSshTrigger(HeldEventTrigger):
         self.command_timeout = float(command_timeout)
         self.first_poll_after = self.poll_interval if first_poll_after is None else float(first_poll_after)
         self.first_event_after = float(first_event_after)
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{type(self).__module__}.{type(self).__qualname__}", self._kwargs()
 
     def _kwargs(self) -> dict[str, Any]:
         """The constructor's arguments, as plain JSON values (a subclass adds its own)."""
