@@ -27,13 +27,13 @@ if TYPE_CHECKING:
     from maxtext_sft.hooks.vm_ssh import VmSSHHook
 
 
-def vm_address(spec: RunSpec, gcp_conn_id: str) -> str:
+def vm_address(spec: RunSpec, gcp_conn_id: str, hook: ComputeEngineEndpointHook | None = None) -> str:
     """The VM's address, asked from the Compute API each time (a recreated VM may have a new one).
 
     Raises google.api_core's NotFound when the instance is gone (the hook's discovery client
     reports that as an HttpError 404).
     """
-    hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
+    hook = hook or ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
     try:
         return hook.get_instance_address(
             zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id,
@@ -79,10 +79,12 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     return hook
 
 
-def published_host_keys(gcp_conn_id: str, vm_name: str, zone: str, project_id: str) -> dict[str, str]:
+def published_host_keys(
+    gcp_conn_id: str, vm_name: str, zone: str, project_id: str, hook: ComputeEngineEndpointHook | None = None
+) -> dict[str, str]:
     """The SSH host keys VM `vm_name` published, the only ones to accept; raises
     HostKeysNotPublished before its guest agent ran (blocking: a trigger runs it in a thread)."""
-    keys = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id).get_host_keys(
+    keys = (hook or ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)).get_host_keys(
         resource_id=vm_name, zone=zone, project_id=project_id
     )
     if not keys:
@@ -99,9 +101,10 @@ def ssh_target(spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = Tr
     """
     from maxtext_sft.hooks.os_login import os_login_username
 
-    address = vm_address(spec, gcp_conn_id)
+    hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)  # one client for both reads
+    address = vm_address(spec, gcp_conn_id, hook)
     try:
-        keys = published_host_keys(gcp_conn_id, spec.vm_name, spec.zone, spec.project_id)
+        keys = published_host_keys(gcp_conn_id, spec.vm_name, spec.zone, spec.project_id, hook)
     except HostKeysNotPublished:
         if host_keys_required:
             raise
