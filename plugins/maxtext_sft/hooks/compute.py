@@ -17,7 +17,6 @@ from functools import cached_property
 
 from google.api_core.client_options import ClientOptions
 from googleapiclient.discovery import build_from_document
-from googleapiclient.discovery_cache import get_static_doc
 from googleapiclient.errors import HttpError
 
 from airflow.providers.google.cloud.hooks.compute import (
@@ -58,6 +57,9 @@ def compute_discovery_document(api_version: str) -> dict:
     and a task or trigger makes a client per hook, several per poll. Per thread, because the
     client library writes into a document's method descriptions as it builds their methods.
     """
+    # Imported here, as googleapiclient itself does: a DAG file's parse imports this module.
+    from googleapiclient.discovery_cache import get_static_doc
+
     documents = _parsed_documents.__dict__
     if api_version not in documents:
         text = get_static_doc("compute", api_version)
