@@ -62,10 +62,10 @@ rehearse: venv system-deps bytecode
 	$(PYTHON) -m localcloud.run_pipeline --rehearsal --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
 
 # Three pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
-# poll, and a third worker fills those waits (measured on fresh clones of one machine: 30 min 53 s
-# with two workers, 24 min 17 s with three). A file's tests stay on one worker unless the file is
-# marked `spread` (tests/conftest.py). The 15 slowest tests are listed at the end.
-# PYTEST_WORKERS=0: one process.
+# poll, and a third worker fills those waits (fresh clones here, the real image built each time:
+# 30 min 53 s with two workers, 24 min 22 s with three; README). A file's tests stay on one
+# worker unless the file is marked `spread` (tests/conftest.py). The 15 slowest tests are listed
+# at the end. PYTEST_WORKERS=0: one process.
 # pytest exits 5 when it collected no test: that must fail, not pass quietly.
 PYTEST_WORKERS ?= 3
 test: venv system-deps bytecode
