@@ -57,11 +57,11 @@ def compute_discovery_document(api_version: str) -> dict:
     and a task or trigger makes a client per hook, several per poll. Per thread, because the
     client library writes into a document's method descriptions as it builds their methods.
     """
-    # Imported here, as googleapiclient itself does: a DAG file's parse imports this module.
-    from googleapiclient.discovery_cache import get_static_doc
-
     documents = _parsed_documents.__dict__
     if api_version not in documents:
+        # Imported here, as googleapiclient itself does: a DAG file's parse imports this module.
+        from googleapiclient.discovery_cache import get_static_doc
+
         text = get_static_doc("compute", api_version)
         if text is None:
             raise ValueError(f"googleapiclient ships no discovery document for compute {api_version}")
