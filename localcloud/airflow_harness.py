@@ -27,6 +27,7 @@ the API token comes from `POST /auth/token` with the first user's name and passw
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import os
 import secrets
@@ -329,6 +330,10 @@ class Airflow:
             # One secret for every component: the api-server checks the tokens the scheduler
             # signs for task runners.
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(64),
+            # One Fernet key for every component, as the official compose file sets it: a trigger the
+            # scheduler writes (a task started on the triggerer) is decrypted by the triggerer. Left
+            # unset, each component that starts before airflow.cfg exists writes a key of its own.
+            "AIRFLOW__CORE__FERNET_KEY": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",

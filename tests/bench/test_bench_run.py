@@ -29,6 +29,10 @@ def test_the_smallest_bench_runs_the_pipeline_and_prints_its_figures(tmp_path):
     # The run used the dataset's held-out split (Param eval_split's default), which the bench's
     # dataset once lacked: preflight refused the cold run.
     assert cold["conversion_did_work"] and cold["training"][0] is not None
+    # The training wait started on the triggerer (start_from_trigger): no worker slot while the
+    # training ran; the sensor's one stretch on a worker is its end, after the training's.
+    slots = measured["worker_slots"]
+    assert slots["training_held"] == 0 and slots["sensor_stretches"] == {"success": 1}, slots
     figures = [row["figure"] for row in measured["table"]]
     assert figures[0] == "VM billed time / workload time (cold run)" and len(figures) == 6
     assert "VM billed time / workload time (cold run)" in done.stdout
@@ -69,3 +73,20 @@ def test_the_training_wait_row_says_how_each_stretch_on_a_worker_ended():
     text = bench.sensor_stretches_text({"deferred": 2, "success": 1})
     assert text.startswith("3 stretches of wait_for_final_checkpoint on a worker (2 ending deferred, 1 ending success)")
     assert bench.sensor_stretches_text({}) == "-"
+
+
+def test_the_training_row_counts_what_waits_not_the_launch():
+    """Slot-seconds inside a run's training (pid file to exit_code): the sensor's stretches count;
+    start_training's end, a few milliseconds after the pid file it wrote, is the launch."""
+    run = {"run_id": "r", "training": (100.0, 200.0)}
+    stretches = [
+        {"run_id": "r", "task_id": "start_training", "start": 95.0, "end": 100.02, "ended_as": "success"},
+        {"run_id": "r", "task_id": "wait_for_final_checkpoint", "start": 150.0, "end": 151.0, "ended_as": "deferred"},
+        {"run_id": "r", "task_id": "wait_for_final_checkpoint", "start": 200.5, "end": 201.5, "ended_as": "success"},
+    ]
+    slots = bench.worker_slots([run], stretches)
+    assert slots["training_held"] == 1.0 and slots["training_blocking"] == 100.0
+    assert slots["training_held_by_task"] == {"start_training": pytest.approx(0.02), "wait_for_final_checkpoint": 1.0}
+    text = bench.training_slots_text(slots)
+    assert text.startswith("inside the trainings: start_training 0.02 s; wait_for_final_checkpoint 1.00 s; ")
+    assert "start_training's end after its training's pid file is the launch" in text

@@ -1,6 +1,8 @@
 """TrainingStatusTrigger against a real sshd VM of the local cloud: the event for each outcome of a
 training (faked on the VM as start_training.sh leaves it: a pid file, train.log, an exit code),
-the pinned host key, an unanswering VM and its bound, the timeout; and its serialization."""
+the pinned host key, an unanswering VM and its bound, the timeout; and its serialization. And
+TrainingStartTrigger, a try's first watch with no worker before it: from the spec as the triggerer
+renders it, it finds the VM or sends the worker to check."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.vm_ssh import VmSSHHook
 from maxtext_sft.spec import build_run_spec
-from maxtext_sft.triggers.training import TrainingStatusTrigger
+from maxtext_sft.triggers.training import TrainingStartTrigger, TrainingStatusTrigger
 from maxtext_sft.vm_steps import remote_command, script_files
 
 SSH_CONN_ID = "maxtext_sft_vm_ssh"
@@ -298,3 +300,55 @@ def test_each_check_closes_its_connection_and_a_cancelled_trigger_its_open_one(v
         return len(opened)
 
     assert asyncio.run(watch_then_cancel()) == 3  # no check after the cancel
+
+
+# ----- TrainingStartTrigger: the first watch of a try, with no check on the worker before it -----
+
+def start_trigger_for(spec) -> TrainingStartTrigger:
+    """The start trigger as the triggerer runs it: `spec` rendered from plan_run's XCom (a dict)
+    by the template the sensor gives it, in a sandboxed Jinja environment as BaseTrigger's."""
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from maxtext_sft.trigger_start import xcom_json_template
+
+    class PlanRunXCom:
+        def xcom_pull(self, task_ids, key, map_indexes):
+            assert (task_ids, key, map_indexes) == ("plan_run", "spec", -1)
+            return spec.to_dict()
+
+    template = xcom_json_template("plan_run", "spec")
+    rendered = SandboxedEnvironment(cache_size=0).from_string(template).render(ti=PlanRunXCom())
+    return TrainingStartTrigger(spec=rendered, ssh_conn_id=SSH_CONN_ID, gcp_conn_id=GCP_CONN_ID)
+
+
+def test_the_start_trigger_serializes_its_template_and_connections_only():
+    trigger = TrainingStartTrigger(spec="{{ ti.xcom_pull(task_ids='plan_run', key='spec') | tojson }}",
+                                   ssh_conn_id="ssh", gcp_conn_id="gcp")
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "maxtext_sft.triggers.training.TrainingStartTrigger"
+    assert kwargs == {"spec": trigger.spec, "ssh_conn_id": "ssh", "gcp_conn_id": "gcp", "first_event_after": 0}
+    assert TrainingStartTrigger(**kwargs).serialize() == (classpath, kwargs)
+
+
+def test_the_start_trigger_finds_the_vm_and_polls_at_once(vm):
+    """From the rendered spec alone: the VM's address and published host keys from the Compute
+    API, then the watch (its first poll at once: no check came before it), the try's clock in the
+    event."""
+    spec, address, keys, hook = vm
+    fake_training(spec, hook, steps=5, alive=False, exit_code=0)
+    trigger = start_trigger_for(spec)
+    assert trigger.run_spec() == spec  # the JSON text Jinja's tojson made is the spec again
+    started = time.time()
+    event = first_event(trigger, timeout=30)
+    assert event["status"] == "training" and event["answered"] is True and event["last_step"] == 5, event
+    assert event["output"][-1].startswith("MAXTEXT_SFT_STATUS state=succeeded exit_code=0 last_step=5 ")
+    assert started <= event["watch_since"] <= time.time()
+    assert time.time() - started < spec.poke_interval_seconds  # not a poke interval's wait first
+
+
+def test_the_start_trigger_sends_the_worker_to_check_a_vm_it_cannot_find(pipeline_connections, local_cloud):
+    spec = vm_spec("never-made")
+    event = first_event(start_trigger_for(spec), timeout=30)
+    assert event["status"] == "check" and event["answered"] is False, event
+    assert event["error"].startswith("NotFound") and spec.vm_name in event["error"]
+    assert event["watch_since"] <= time.time()

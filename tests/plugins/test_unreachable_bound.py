@@ -260,6 +260,56 @@ def test_an_unanswering_vm_is_watched_on_by_the_trigger_until_its_bound(clock, s
     assert deferred.value.trigger.deadline == 1_000 + spec.training_timeout_hours * 3600
 
 
+def test_a_try_begun_on_the_triggerer_keeps_its_clock_from_there(clock, status_events):
+    """The start trigger's event says when the try's watch began: training_timeout_hours runs from
+    then, not from the worker's first stretch (hours later, at the training's end)."""
+    spec = make_spec()
+    store = StateStore()
+    with pytest.raises(TaskDeferred) as deferred:
+        status_events(spec, store, {"status": "unreachable", "error": "OSError: refused", "answered": False,
+                                    "watch_since": 400.0})
+    assert store["watch_since_try0_g0"] == 400.0
+    assert deferred.value.trigger.deadline == 400.0 + spec.training_timeout_hours * 3600
+
+
+def test_no_ssh_target_on_the_triggerer_sends_the_worker_to_check(clock, status_events, monkeypatch):
+    checks = []
+    monkeypatch.setattr(TrainingCheckpointSensor, "_check", lambda self, context: checks.append(self.run_spec) or "checked")
+    spec = make_spec()
+    store = StateStore()
+    answer = status_events(spec, store, {"status": "check", "error": "NotFound: no VM", "answered": False,
+                                         "watch_since": 900.0})
+    assert answer == "checked" and checks == [spec]
+    assert store["watch_since_try0_g0"] == 900.0
+
+
+def test_each_try_starts_on_the_triggerer_with_plan_runs_spec_rendered_there():
+    """No worker holds a slot to start the wait: the scheduler defers each try to TrainingStartTrigger
+    (start_from_trigger), whose `spec` is a template of plan_run's XCom (a template field of the
+    task, so Airflow 3.3's triggerer renders it). A reschedule-mode sensor, a spec given as a value,
+    and a slice (its hosts are create_slice's XCom) start on the worker."""
+    from airflow.sdk import DAG, task
+
+    with DAG("start_from_trigger", schedule=None):
+        @task(multiple_outputs=True)
+        def plan_run():
+            return {"spec": {}, "hosts": []}
+
+        run = plan_run()
+        sensor = TrainingCheckpointSensor(task_id="wait", spec=run["spec"], **CONNECTIONS)
+        polling = TrainingCheckpointSensor(task_id="poll", spec=run["spec"], deferrable=False, **CONNECTIONS)
+        on_a_slice = sensors.SliceTrainingSensor(task_id="slice", spec=run["spec"], hosts=run["hosts"], **CONNECTIONS)
+    assert sensor.start_from_trigger is True
+    args = sensor.start_trigger_args
+    assert args.trigger_cls == "maxtext_sft.triggers.training.TrainingStartTrigger"
+    assert args.next_method == "resume_after_status" and args.timeout is None
+    assert args.trigger_kwargs == {"spec": "{{ ti.xcom_pull(task_ids='plan_run', key='spec', map_indexes=-1) | tojson }}",
+                                   "ssh_conn_id": "ssh", "gcp_conn_id": "gcp"}
+    assert "spec" in sensor.template_fields  # the triggerer renders only the task's template fields
+    assert not polling.start_from_trigger and not on_a_slice.start_from_trigger
+    assert not fresh_sensor(make_spec()).start_from_trigger
+
+
 def test_a_crash_seen_by_the_trigger_fails_the_sensor_with_its_tail(status_events, recoveries, monkeypatch):
     monkeypatch.setattr(TrainingCheckpointSensor, "_vm_status", lambda self, spec: "RUNNING")
     spec = make_spec()

@@ -13,12 +13,14 @@ from google.api_core.exceptions import NotFound
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
+from airflow.triggers.base import StartTriggerArgs
 from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook
 from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
 from maxtext_sft.loss_curve import final_loss_text
 from maxtext_sft.run_task import RunTaskOperator
 from maxtext_sft.slice_hosts import NOT_RECOVERED, HostLog, check_hosts_running, on_every_host
 from maxtext_sft.spec import RunSpec
+from maxtext_sft.trigger_start import xcom_arg_template
 from maxtext_sft.vm_access import (
     LOGIN_GRACE_SECONDS,
     HostKeysNotPublished,
@@ -31,14 +33,17 @@ from maxtext_sft.vm_access import (
 )
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS
 from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
+from maxtext_sft.triggers.vm_ssh import vm_ssh_kwargs
 from maxtext_sft.triggers.training import (
     STATUS_LINE,
     SliceTrainingStatusTrigger,
+    TrainingStartTrigger,
     TrainingStatusTrigger,
     log_training_lines,
     prune_checkpoints,
     status_last,
     training_died,
+    training_watch_kwargs,
 )
 from maxtext_sft.triggers.training import number as _number
 from maxtext_sft.triggers.training import status_fields as _status_fields
@@ -51,21 +56,12 @@ VM_GONE = "deleted outside this run's teardown (preempted, its lifetime ended, o
 
 
 def _vm_ssh_trigger_args(sensor, spec: RunSpec, target: dict[str, Any]) -> dict[str, Any]:
-    """What a sensor gives every trigger that SSHes to `spec`'s VM (triggers/vm_ssh.py): `target`
-    (host, host_keys: the only ones accepted; username, proxy_command), its connections, its pace."""
-    return {
-        "ssh_conn_id": sensor.ssh_conn_id,
-        **target,
-        "vm_name": spec.vm_name,
-        "project_id": spec.project_id,
-        "zone": spec.zone,
-        "gcp_conn_id": sensor.gcp_conn_id,
-        "poll_interval": sensor.poke_interval,
-        "connect_timeout": spec.ssh_connect_timeout_seconds,
-        # An event waits out the executor's report of this deferral, as the capacity trigger's
-        # first read does (apache/airflow#72716): [maxtext_sft] capacity_first_read_seconds.
-        "first_event_after": sensor.capacity_first_read_seconds,
-    }
+    """What a sensor gives every trigger that SSHes to `spec`'s VM (triggers/vm_ssh.py): `target`,
+    its connections, its pace."""
+    # An event waits out the executor's report of this deferral, as the capacity trigger's first
+    # read does (apache/airflow#72716): [maxtext_sft] capacity_first_read_seconds.
+    return vm_ssh_kwargs(spec, target, ssh_conn_id=sensor.ssh_conn_id, gcp_conn_id=sensor.gcp_conn_id,
+                         poll_interval=sensor.poke_interval, first_event_after=sensor.capacity_first_read_seconds)
 
 
 def _check_again_after(sensor, error: BaseException, seconds: float) -> None:
@@ -291,8 +287,10 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     Each check is one short SSH call that returns the new training log lines (copied into this
     task's log), the training process's state and exit code. With an output location, completion
     is taken from storage: the final step's Orbax commit marker, which is written after every
-    other file of the step. Deferrable (the default): the worker checks once, then the checks go
-    on on the triggerer (`TrainingStatusTrigger`), which hands back to the worker only what needs
+    other file of the step. Deferrable (the default): each try starts on the triggerer
+    (`TrainingStartTrigger`, start_from_trigger; a slice's, or a spec given as a value, with one
+    check on the worker), and the checks go on there (`TrainingStatusTrigger`), which hands back
+    to the worker only what needs
     it (the training ended, stalled or never started; the VM unanswering, gone or stopped; the
     timeout), so no worker slot is held and no task process started between checks. With
     deferrable=False it pokes in reschedule mode, a task process per poke. A
@@ -318,6 +316,24 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         self.capacity_poll_seconds = capacity_poll_seconds
         self.capacity_first_read_seconds = capacity_first_read_seconds
         self.deferrable = deferrable
+        if deferrable and self.hosts is None:
+            self._start_on_the_triggerer()
+
+    def _start_on_the_triggerer(self) -> None:
+        """Each try starts as `TrainingStartTrigger`, put on the triggerer by the scheduler: no task
+        process while the training runs, until the worker is needed (start_from_trigger). The spec
+        goes as a template of plan_run's XCom (trigger_start.py). A spec given as a value, or a
+        slice's (its hosts are create_slice's XCom), starts with a check on the worker."""
+        if (spec := xcom_arg_template(self.spec)) is None:
+            return
+        self.start_from_trigger = True
+        self.start_trigger_args = StartTriggerArgs(
+            trigger_cls=f"{TrainingStartTrigger.__module__}.{TrainingStartTrigger.__qualname__}",
+            trigger_kwargs={"spec": spec, "ssh_conn_id": self.ssh_conn_id, "gcp_conn_id": self.gcp_conn_id},
+            next_method="resume_after_status",
+            next_kwargs=None,
+            timeout=None,
+        )
 
     def _recovery(self, spec: RunSpec) -> VmRecovery:
         return VmRecovery(
@@ -448,14 +464,9 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             _check_again_after(self, error, self.poke_interval)
         return TrainingStatusTrigger(
             **_vm_ssh_trigger_args(self, spec, target),
-            command=remote_command("training_status", spec),
-            command_timeout=STEPS["training_status"].timeout_seconds(spec),
-            run_name=spec.run_name,
-            stall_timeout_seconds=spec.stall_timeout_seconds,
+            **training_watch_kwargs(spec),
             deadline=self._deadline(context),
             unreachable_deadline=self._unreachable_deadline(context, spec),
-            checkpoints_dir=spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
-            checkpoints_kept=spec.checkpoints_kept,
         )
 
     def resume_check(self, context, event: dict | None = None):
@@ -466,13 +477,18 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     def resume_after_status(self, context, event: dict):
         """Back from the status trigger with what needs the worker (see triggers/training.py)."""
         self._take_spec_timings()
+        if (since := event.get("watch_since")) is not None:  # the try began on the triggerer
+            store, key = self._state(context, self._try_key(context, "watch_since"))
+            if store.get(key) is None:
+                store.set(key, since)
         answer = self._answer_to(context, event)
         if answer is None:  # no status line: the worker's own check uploads the step scripts
             return self._check(context)
         return self._done_or_defer(context, answer)
 
     def _answer_to(self, context, event: dict) -> bool | PokeReturnValue | None:
-        """What a status event says, as a poke's answer; None for an event without a status."""
+        """What a status event says, as a poke's answer; None for one the worker's own check answers
+        (no status, no SSH target)."""
         spec = self.run_spec
         if event.get("answered"):
             self._stop_clock(context, "unreachable_since")
@@ -483,6 +499,10 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             raise self._timed_out(context)
         if kind == "refused":
             raise (HostKeyMismatch if event["kind"] == "host_key" else LoginRefused)(event["message"])
+        if kind == "check":
+            self.log.warning("The triggerer found no SSH target for VM %s (%s): checking from the worker",
+                             spec.vm_name, event["error"])
+            return None
         if kind == "no_status":
             self.log.warning("training_status.sh gave no status on the triggerer (exit %s): %s; checking from the "
                              "worker, which uploads the step scripts", event["exit_status"], event["output"])

@@ -24,6 +24,12 @@ Events (one, then the trigger ends); each carries `last_step` (the last step see
 No event leaves before `first_event_after` seconds from the trigger's start (triggers/vm_ssh.py:
 apache/airflow#72716); the polls and their log lines do not wait.
 
+`TrainingStartTrigger` is the first watch of a try, started by the scheduler on the triggerer
+(wait_for_final_checkpoint's start_from_trigger): no task process runs before it. It finds the
+VM's SSH target as the worker's check does, then watches as above; its event adds
+`watch_since`, and {"status": "check", "error": ...} says it found no SSH target (the worker's
+own check finds out why).
+
 A slice: `SliceTrainingStatusTrigger` watches host 0 as above and, at each poll, reads every other
 host's status and asks the Compute API whether a host is lost; its event is host 0's, or names
 the hosts whose training died or that are lost (see that class).
@@ -239,6 +245,75 @@ class TrainingStatusTrigger(VmSshTrigger):
             )
             if self.checkpoints_dir and self.checkpoints_kept is not None:
                 await asyncio.to_thread(self._prune)
+
+
+def training_watch_kwargs(spec) -> dict[str, Any]:
+    """A TrainingStatusTrigger's arguments that say what to watch on `spec`'s VM (a RunSpec), beside
+    vm_ssh_kwargs' where and how, and its deadlines."""
+    from maxtext_sft.vm_steps import STEPS, remote_command
+
+    return {
+        "command": remote_command("training_status", spec),
+        "command_timeout": STEPS["training_status"].timeout_seconds(spec),
+        "run_name": spec.run_name,
+        "stall_timeout_seconds": spec.stall_timeout_seconds,
+        "checkpoints_dir": spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
+        "checkpoints_kept": spec.checkpoints_kept,
+    }
+
+
+class TrainingStartTrigger(HeldEventTrigger):
+    """A try's first watch of the training, with no worker before it: the scheduler starts it on the
+    triggerer (wait_for_final_checkpoint's start_from_trigger), and Airflow 3.3's triggerer renders
+    `spec`, a template of plan_run's XCom as JSON text, with the task's context. It reads the VM's
+    SSH target from the Compute API (its address and published host keys, as the worker's check
+    does: only those keys are accepted), then polls at once and every poke_interval_seconds as
+    TrainingStatusTrigger, until training_timeout_hours from its start. Its event is that watch's
+    with `watch_since` (epoch seconds: the try's timeout runs from it), or, when there is no SSH
+    target (the VM gone or booting, the Compute API not answering, anything else raised reading it),
+    {"status": "check", "error": ...}: the worker checks itself, as after any pause.
+
+    It waits out no executor report: the scheduler deferred the try itself (triggers/vm_ssh.py)."""
+
+    def __init__(self, *, spec: str | dict[str, Any], ssh_conn_id: str, gcp_conn_id: str, first_event_after: float = 0):
+        super().__init__()
+        self.spec = spec
+        self.ssh_conn_id = ssh_conn_id
+        self.gcp_conn_id = gcp_conn_id
+        self.first_event_after = float(first_event_after)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {"spec": self.spec, "ssh_conn_id": self.ssh_conn_id, "gcp_conn_id": self.gcp_conn_id,
+                "first_event_after": self.first_event_after}
+
+    def run_spec(self):
+        """The rendered spec as a RunSpec (JSON text; a dict where a template was not needed)."""
+        from maxtext_sft.spec import RunSpec
+        from maxtext_sft.trigger_start import from_json
+
+        return RunSpec.from_dict(from_json(self.spec))
+
+    async def _watch(self) -> dict[str, Any]:
+        from maxtext_sft.triggers.vm_ssh import vm_ssh_kwargs
+        from maxtext_sft.vm_access import ssh_target
+
+        watch_since = time.time()
+        spec = self.run_spec()
+        try:
+            target = await asyncio.to_thread(ssh_target, spec, self.gcp_conn_id)
+        except Exception as error:  # noqa: BLE001 - the worker's check judges what this was
+            self.log.warning("No SSH target for VM %s now (%s): the worker checks", spec.vm_name, error_text(error))
+            return {"status": "check", "error": error_text(error), "last_step": None, "answered": False,
+                    "watch_since": watch_since}
+        watch = TrainingStatusTrigger(
+            **vm_ssh_kwargs(spec, target, ssh_conn_id=self.ssh_conn_id, gcp_conn_id=self.gcp_conn_id,
+                            poll_interval=spec.poke_interval_seconds, first_event_after=0),
+            **training_watch_kwargs(spec),
+            deadline=watch_since + spec.training_timeout_hours * 3600,
+            first_poll_after=0,  # no check came before this one
+        )
+        self.log.info("Watching training %s on %s (%s) from the triggerer", spec.run_name, spec.vm_name, target["host"])
+        return {**await watch._watch(), "watch_since": watch_since}
 
 
 class SliceTrainingStatusTrigger(HeldEventTrigger):

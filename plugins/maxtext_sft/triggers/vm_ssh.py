@@ -41,6 +41,24 @@ class HeldEventTrigger(BaseTrigger):
         raise NotImplementedError
 
 
+def vm_ssh_kwargs(
+    spec, target: dict[str, Any], *, ssh_conn_id: str, gcp_conn_id: str, poll_interval: float, first_event_after: float
+) -> dict[str, Any]:
+    """A VmSshTrigger's arguments for `spec`'s VM (a RunSpec): `target` (vm_access.ssh_target's host,
+    host_keys: the only ones accepted; username, proxy_command), its connections, its pace."""
+    return {
+        "ssh_conn_id": ssh_conn_id,
+        **target,
+        "vm_name": spec.vm_name,
+        "project_id": spec.project_id,
+        "zone": spec.zone,
+        "gcp_conn_id": gcp_conn_id,
+        "poll_interval": poll_interval,
+        "connect_timeout": spec.ssh_connect_timeout_seconds,
+        "first_event_after": first_event_after,
+    }
+
+
 async def cancel_all(watches) -> None:
     """Cancel the watches still under way and wait for them to end (their connections closed)."""
     for watch in watches:
