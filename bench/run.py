@@ -310,7 +310,7 @@ def worker_slots(runs: list[dict], stretches: list[dict]) -> dict:
     by_run: dict[str, list[dict]] = {}
     for stretch in stretches:
         by_run.setdefault(stretch["run_id"], []).append(stretch)
-    training_held = training_blocking = wait_held = wait_blocking = 0.0
+    training_blocking = wait_held = wait_blocking = 0.0
     sensor_ends: dict[str, int] = {}  # how each wait_for_final_checkpoint stretch on a worker ended
     held_by_task: dict[str, float] = {}  # slot-seconds inside a training, by task
     deferrals = 0
@@ -318,9 +318,6 @@ def worker_slots(runs: list[dict], stretches: list[dict]) -> dict:
         mine = by_run.get(run["run_id"], [])
         start, end = run["training"]
         if start is not None and end is not None:
-            # start_training starts the training: its own end (the task reporting success) follows
-            # the pid file by a few milliseconds. What holds a slot *waiting* for it is the rest.
-            training_held += figures.slots_during([s for s in mine if s["task_id"] != LAUNCHES_TRAINING], (start, end))
             training_blocking += end - start
             for stretch in mine:
                 if held := figures.slots_during([stretch], (start, end)):
@@ -333,6 +330,9 @@ def worker_slots(runs: list[dict], stretches: list[dict]) -> dict:
         held, blocking = figures.capacity_wait(creates)
         wait_held += held
         wait_blocking += blocking
+    # start_training starts the training: its own end (the task reporting success) follows the pid
+    # file by a few milliseconds. What holds a slot *waiting* for it is the rest.
+    training_held = sum(held for task, held in held_by_task.items() if task != LAUNCHES_TRAINING)
     return {
         "training_held": training_held, "training_blocking": training_blocking, "training_held_by_task": held_by_task,
         "capacity_held": wait_held, "capacity_blocking": wait_blocking, "sensor_stretches": sensor_ends,

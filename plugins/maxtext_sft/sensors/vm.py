@@ -88,12 +88,12 @@ class _KeptState:
         generation = getattr(context.get("dag_run"), "clear_number", 0) or 0
         return store, f"{name}_g{generation}"
 
-    def _clock_start(self, context, name: str) -> float:
-        """When clock `name` started; it starts now if it was not running."""
+    def _clock_start(self, context, name: str, at: float | None = None) -> float:
+        """When clock `name` started; it starts now (or `at`) if it was not running."""
         store, key = self._state(context, name)
         since = store.get(key)
         if since is None:
-            since = time.time()
+            since = time.time() if at is None else at
             store.set(key, since)
         return since
 
@@ -478,11 +478,9 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         """Back from the status trigger with what needs the worker (see triggers/training.py)."""
         self._take_spec_timings()
         if (since := event.get("watch_since")) is not None:  # the try began on the triggerer
-            store, key = self._state(context, self._try_key(context, "watch_since"))
-            if store.get(key) is None:
-                store.set(key, since)
+            self._clock_start(context, self._try_key(context, "watch_since"), at=since)
         answer = self._answer_to(context, event)
-        if answer is None:  # no status line: the worker's own check uploads the step scripts
+        if answer is None:  # no status line, no SSH target: the worker's own check
             return self._check(context)
         return self._done_or_defer(context, answer)
 
