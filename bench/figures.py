@@ -132,18 +132,23 @@ def slots_during(stretches: Sequence[Mapping], window: tuple[float, float]) -> f
     return sum(overlap((s["start"], s["end"]), window) for s in stretches)
 
 
-def capacity_wait(create_stretches: Sequence[Mapping]) -> tuple[float, float]:
+def capacity_wait(create_stretches: Sequence[Mapping], ready_at: float | None = None) -> tuple[float, float]:
     """(slot-seconds held waiting for capacity, seconds a blocking wait would hold) for one run's
     create_vm: its stretches that ended deferred found no free machine (or had the insert refused
     for capacity) and held a slot meanwhile; a blocking wait would have held one from its first
-    try's start to the start of the stretch that finally went on."""
+    try's start to the start of the stretch that finally went on. A try started on the triggerer
+    (CreateVmStartTrigger) waits before its first stretch: given `ready_at` (when create_vm could
+    start: the end of the run's last stretch before it), that wait counts for the blocking figure."""
     ordered = sorted(create_stretches, key=lambda s: s["start"])
+    if not ordered:
+        return 0.0, 0.0
     held = sum(s["end"] - s["start"] for s in ordered if s["ended_as"] == "deferred")
     deferred = [i for i, s in enumerate(ordered) if s["ended_as"] == "deferred"]
+    began = ordered[0]["start"] if ready_at is None else min(ready_at, ordered[0]["start"])
     if not deferred:
-        return 0.0, 0.0
+        return 0.0, ordered[0]["start"] - began
     resumed = ordered[deferred[-1] + 1]["start"] if deferred[-1] + 1 < len(ordered) else ordered[deferred[-1]]["end"]
-    return held, resumed - ordered[0]["start"]
+    return held, resumed - began
 
 
 # ----- backfill -------------------------------------------------------------------------------

@@ -122,6 +122,14 @@ def test_a_capacity_wait_holds_slots_only_for_the_tries_that_deferred():
     assert figures.capacity_wait([{"start": 0.0, "end": 9.0, "ended_as": "success"}]) == (0.0, 0.0)
 
 
+def test_a_wait_on_the_triggerer_before_the_first_try_holds_no_slot_but_counts_as_blocking():
+    """create_vm started on the triggerer (CreateVmStartTrigger) waited from 10 s, when its upstream
+    ended, to 70 s: no slot held, 60 s a blocking wait would have held."""
+    started_on_the_triggerer = [{"start": 70.0, "end": 72.0, "ended_as": "success"}]
+    assert figures.capacity_wait(started_on_the_triggerer, ready_at=10.0) == (0.0, pytest.approx(60.0))
+    assert figures.capacity_wait([], ready_at=10.0) == (0.0, 0.0)
+
+
 def test_backfill_waves_and_the_lag_from_a_freed_unit_to_the_next_insert():
     assert figures.waves(4, 2) == 2 and figures.waves(5, 2) == 3 and figures.waves(1, 4) == 1
     lives = {

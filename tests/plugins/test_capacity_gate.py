@@ -1,7 +1,8 @@
 """CreateVmOperator's capacity gate against the local cloud: no insert while the reservation is
 full, a refused insert goes back to waiting, the wait is bounded, and a retry adopts its VM without
-being gated. Through `dag.test()` (the trigger runs in-process), and once under Airflow's real
-scheduler and triggerer, where the deferred task holds no worker slot."""
+being gated. Through `dag.test()` (the worker's path: its trigger runs in-process), and under
+Airflow's real scheduler and triggerer, where each try starts on the triggerer
+(CreateVmStartTrigger), which waits and inserts with no worker slot held."""
 
 from __future__ import annotations
 
@@ -126,7 +127,9 @@ def task_instance(dag_run):
 
     with create_session() as session:
         ti = session.scalars(
-            select(TaskInstance).where(TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == dag_run.run_id)
+            select(TaskInstance).where(
+                TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == dag_run.run_id, TaskInstance.task_id == "create_vm"
+            )
         ).one()
         failure = session.scalars(
             select(XComModel).where(
@@ -307,27 +310,18 @@ def wait_until(condition, timeout: float, what: str):
 def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_free(
     scheduled_airflow, names, local_cloud, compute
 ):
+    """The scheduler starts create_vm on the triggerer (start_from_trigger): the trigger reads the
+    full reservation, then, once a machine is given back, inserts the VM; the worker only adopts
+    it. No worker ran create_vm before the insert."""
     reservation, spec_for = names
     add_reservation(local_cloud, reservation)
     other_run, ours = spec_for(reservation), spec_for(reservation)
     create(compute, other_run)
 
     run_id = scheduled_airflow.trigger(run_conf(ours, max_wait=10))
-    wait_until(lambda: scheduled_airflow.task_states(run_id)["create_vm"] == "deferred", 180, "create_vm to defer")
-    # Free the machine only once the scheduler has taken in the executor's report of the deferred
-    # try: Airflow 3.3 fails a resumed try that is already running when that report comes in
-    # (apache/airflow#72716); the gate's first read 60 s after deferring keeps production clear
-    # of it, this test's 0.5 s does not.
-    wait_until(
-        lambda: "Received executor event with state success" in scheduled_airflow.log_path("scheduler").read_text(),
-        60,
-        "the scheduler to process the deferred try's exit",
-    )
-    reads = sum(is_read_of(r, reservation) for r in local_cloud.requests())
+    wait_until(lambda: scheduled_airflow.task_states(run_id).get("create_vm") == "deferred", 180, "create_vm to defer")
     # The triggerer keeps reading; the task stays deferred and asks for no VM.
-    wait_until(
-        lambda: sum(is_read_of(r, reservation) for r in local_cloud.requests()) >= reads + 3, 60, "the trigger's reads"
-    )
+    wait_until(lambda: sum(is_read_of(r, reservation) for r in local_cloud.requests()) >= 3, 60, "the trigger's reads")
     assert scheduled_airflow.task_states(run_id)["create_vm"] == "deferred"
     assert inserts_of(local_cloud.requests(), ours.vm_name) == []
 
@@ -339,6 +333,14 @@ def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_fre
     )
 
     assert run["state"] == "success", scheduled_airflow.task_states(run_id)
-    assert [r["status"] for r in inserts_of(local_cloud.requests(), ours.vm_name)] == [200]
-    [ti] = scheduled_airflow.task_instances(run_id)
-    assert ti["try_number"] == 1  # resumed, not retried
+    [insert] = inserts_of(local_cloud.requests(), ours.vm_name)
+    assert insert["status"] == 200
+    # Not the worker's insert (its request id is the try's): the trigger's, with an id of its own.
+    assert insert["query"]["requestId"] != str(uuid.uuid5(uuid.NAMESPACE_URL, f"{ours.request_id}/1"))
+    [create_vm] = [ti for ti in scheduled_airflow.task_instances(run_id) if ti["task_id"] == "create_vm"]
+    assert create_vm["try_number"] == 1  # resumed, not retried
+    log = json.dumps(scheduled_airflow.task_log(run_id, "create_vm", dag_id=DAG_ID))
+    assert "1 of 1 machines in use; waiting (deferred, no worker slot)" in log, log
+    assert f"machines free: creating {ours.vm_name}" in log, log
+    assert f"Instance {ours.vm_name} already exists (RUNNING): adopting it" in log, log
+    assert compute.get_instance(resource_id=ours.vm_name, project_id=ours.project_id, zone=ours.zone).status == "RUNNING"

@@ -24,13 +24,16 @@ from airflow.providers.google.cloud.operators.compute import (
 )
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.triggers.base import StartTriggerArgs
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, endpoint_hook_for
 from maxtext_sft.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.task_links import VmConsoleLink
+from maxtext_sft.trigger_start import xcom_arg_template
 from maxtext_sft.triggers.capacity import (
     CAPACITY_FIRST_READ_SECONDS,
     CAPACITY_POLL_SECONDS,
+    CreateVmStartTrigger,
     ReservationCapacityTrigger,
 )
 
@@ -55,6 +58,14 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     machine is free. The wait is bounded by `max_capacity_wait_minutes` from the first deferral
     (the deadline travels with every deferral, so refused inserts do not extend it); then the
     task fails without retries. An existing instance is adopted before any gate.
+
+    Started on the triggerer: when every value the insert needs is another task's output (the
+    pipeline's plan_run) and a reservation may be given, each try starts as CreateVmStartTrigger
+    (start_from_trigger): it waits for a free machine and inserts the VM itself, and the worker
+    only adopts it, so no worker slot is taken while the reservation is full. A try that the
+    trigger hands back ("go": the instance already exists, a refusal it does not judge) takes the
+    flow above. Values written into the DAG, and dag.test(), which ignores start_from_trigger,
+    start on the worker.
 
     The trigger first reads the reservation `capacity_first_read_seconds` after the deferral, then
     every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
@@ -89,9 +100,44 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self.max_capacity_wait_minutes = max_capacity_wait_minutes
         self.capacity_poll_seconds = capacity_poll_seconds
         self.capacity_first_read_seconds = capacity_first_read_seconds
+        self._start_on_the_triggerer()
+
+    def _start_on_the_triggerer(self) -> None:
+        """Start each try as CreateVmStartTrigger when every value it needs is an XComArg (sent as
+        a template the triggerer renders, trigger_start.py) or None, and `reservation` is one."""
+        if xcom_arg_template(self.reservation) is None:
+            return  # no reservation: nothing to wait for
+        rendered = {}
+        for name in CreateVmStartTrigger.RENDERED:
+            value = getattr(self, name)
+            rendered[name] = None if value is None else xcom_arg_template(value)
+            if value is not None and rendered[name] is None:
+                return  # a value written into the DAG (perhaps a template of its own): the worker starts
+        self.start_from_trigger = True
+        self.start_trigger_args = StartTriggerArgs(
+            trigger_cls=f"{CreateVmStartTrigger.__module__}.{CreateVmStartTrigger.__qualname__}",
+            trigger_kwargs={
+                **rendered,
+                "gcp_conn_id": self.gcp_conn_id,
+                "api_version": self.api_version,
+                "impersonation_chain": self.impersonation_chain,
+                "poll_interval": self.capacity_poll_seconds,
+            },
+            next_method="resume_after_start",
+            next_kwargs=None,
+            timeout=None,
+        )
 
     def execute(self, context) -> dict:
         return self._create(context, deadline=None, insert_key="")
+
+    def resume_after_start(self, context, event: dict) -> dict:
+        """Back from CreateVmStartTrigger: the VM it created is adopted; a "go" takes the worker's
+        flow (adopt, or gate and insert), within the same deadline."""
+        if event["status"] == "timeout":
+            raise AirflowFailException(self._gave_up(event["count"], event["deadline"]))
+        self.log.info("Back from the triggerer: %s", {k: v for k, v in event.items() if k != "deadline"})
+        return self._create(context, deadline=event["deadline"], insert_key="")
 
     def resume_after_capacity_wait(self, context, event: dict) -> dict:
         # The deadline travels in the trigger's event (every event carries it), the one place the

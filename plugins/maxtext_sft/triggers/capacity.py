@@ -1,6 +1,9 @@
-"""Wait, on the triggerer, until a reservation has a machine free.
+"""Wait, on the triggerer, for a machine in a reservation.
 
-Events (one, then the trigger ends):
+ReservationCapacityTrigger waits until a reservation has a machine free; CreateVmStartTrigger
+(below) is create_vm's whole wait, started by the scheduler, which inserts the VM itself.
+
+ReservationCapacityTrigger's events (one, then the trigger ends):
   {"status": "free", "free": N, "count": C, "checked_at": T, "deadline": D}
   {"status": "timeout", "count": C, "in_use": U, "deadline": D}   nothing freed up before D
   {"status": "error", "message": ..., "deadline": D}              e.g. the reservation is gone
@@ -14,13 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from google.api_core.exceptions import NotFound
+
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.instances import with_expiry_label
+from maxtext_sft.trigger_start import from_json
 
 # When a task waiting for capacity has the trigger read a full reservation: first after the
 # deferral, then every poll (CreateVmOperator says why the first is longer).
@@ -163,3 +171,161 @@ class ReservationCapacityTrigger(BaseTrigger):
                     count, in_use = last_read
                     yield TriggerEvent({"status": "timeout", "count": count, "in_use": in_use, "deadline": self.deadline})
                 return
+
+
+class CreateVmStartTrigger(BaseTrigger):
+    """create_vm's try, started on the triggerer by the scheduler (start_from_trigger): no worker
+    runs before it, none while the reservation is full. It inserts the VM itself as soon as a
+    machine is free, so a run that waited for capacity takes no worker slot for the wait.
+
+    Its fields are templates of plan_run's XCom (trigger_start.py), rendered by the triggerer as
+    JSON text: project_id, zone, resource_id, request_id, body, lifetime_minutes, reservation,
+    max_capacity_wait_minutes (the deadline counts from this trigger's start). Each poll, in order:
+    - the instance exists (any status): {"status": "go"}, the worker adopts or replaces it;
+    - no reservation, or it does not exist: {"status": "go"}, the worker creates or fails naming it;
+    - the reservation is full: poll again in `poll_interval` seconds;
+    - a machine is free: insert, with the expiry label counted from now, the provider's body
+      sanitizer and a request id of its own per insert; done: {"status": "created"} (the worker
+      adopts it); refused for capacity (cloud_errors, e.g. a race with another run): poll again;
+      any other failure of the insert: {"status": "go"}, the worker inserts again and judges it
+      by its own rules (a stockout or a 5xx to the task's retries, a refusal for good fails).
+    A read that fails for a passing reason (passing_failure) is polled again. At the
+    deadline with the reservation still full: {"status": "timeout", "count": C}; when not one read
+    worked by then, "go" (the worker's own read names the failure). Every event carries the deadline.
+    """
+
+    def __init__(
+        self,
+        *,
+        project_id: str,
+        zone: str,
+        resource_id: str | None,
+        request_id: str | None,
+        body: str | dict,
+        lifetime_minutes: str | int | None,
+        reservation: str | None,
+        max_capacity_wait_minutes: str | float,
+        gcp_conn_id: str = "google_cloud_default",
+        api_version: str = "v1",
+        impersonation_chain: str | Sequence[str] | None = None,
+        poll_interval: float = CAPACITY_POLL_SECONDS,
+    ):
+        super().__init__()
+        self.project_id = project_id
+        self.zone = zone
+        self.resource_id = resource_id
+        self.request_id = request_id
+        self.body = body
+        self.lifetime_minutes = lifetime_minutes
+        self.reservation = reservation
+        self.max_capacity_wait_minutes = max_capacity_wait_minutes
+        self.gcp_conn_id = gcp_conn_id
+        self.api_version = api_version
+        self.impersonation_chain = impersonation_chain
+        self.poll_interval = float(poll_interval)
+
+    RENDERED = (
+        "project_id", "zone", "resource_id", "request_id", "body", "lifetime_minutes", "reservation",
+        "max_capacity_wait_minutes",
+    )
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                **{name: getattr(self, name) for name in self.RENDERED},
+                "gcp_conn_id": self.gcp_conn_id,
+                "api_version": self.api_version,
+                "impersonation_chain": self.impersonation_chain,
+                "poll_interval": self.poll_interval,
+            },
+        )
+
+    def _values(self) -> dict[str, Any]:
+        """The rendered fields' values (each JSON text; a value that is not text is itself)."""
+        values = {name: from_json(getattr(self, name)) for name in self.RENDERED}
+        values["resource_id"] = (values["body"] or {}).get("name") or values["resource_id"]
+        return values
+
+    def _try_number(self) -> int:
+        return int(getattr(self.task_instance, "try_number", 0) or 0)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        run = self._values()
+        deadline = time.time() + float(run["max_capacity_wait_minutes"]) * 60
+        hook = ComputeEngineEndpointHook(
+            gcp_conn_id=self.gcp_conn_id, api_version=self.api_version, impersonation_chain=self.impersonation_chain
+        )
+        last_count: int | None = None
+        reported: tuple[int, int] | None = None
+        while True:
+            try:
+                outcome = await asyncio.to_thread(self._attempt, hook, run)
+            except Exception as error:  # noqa: BLE001 - judged below: wait again, or the worker's
+                if not passing_failure(error):
+                    self.log.warning("Creating %s: %s; the worker goes on", run["resource_id"], error)
+                    yield TriggerEvent({"status": "go", "reason": str(error), "deadline": deadline})
+                    return
+                self.log.warning("Creating %s: %s; trying again in %.0f s", run["resource_id"], error, self.poll_interval)
+            else:
+                if isinstance(outcome, dict):
+                    yield TriggerEvent({**outcome, "deadline": deadline})
+                    return
+                last_count, in_use, refusal = outcome
+                if refusal:
+                    self.log.warning("The cloud refused the insert for lack of capacity: %s; waiting", refusal)
+                elif reported != (last_count, in_use):
+                    self.log.info(
+                        "Reservation %s: %d of %d machines in use; waiting (deferred, no worker slot) until %s",
+                        run["reservation"], in_use, last_count, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
+                    )
+                reported = (last_count, in_use)
+            if time.time() >= deadline:
+                status = {"status": "timeout", "count": last_count} if last_count is not None else {"status": "go"}
+                yield TriggerEvent({**status, "deadline": deadline})
+                return
+            await asyncio.sleep(max(0.0, min(self.poll_interval, deadline - time.time())))
+
+    def _attempt(self, hook: ComputeEngineEndpointHook, run: dict[str, Any]) -> dict[str, Any] | tuple[int, int, str | None]:
+        """One poll; blocking (the Google clients are synchronous), so run in a thread. The event
+        to send, or (count, in use, the cloud's refusal of an insert) to wait on."""
+        name, reservation = run["resource_id"], run["reservation"]
+        where = {"project_id": run["project_id"], "zone": run["zone"]}
+        try:
+            existing = hook.get_instance(resource_id=name, **where)
+        except NotFound:
+            pass
+        else:
+            return {"status": "go", "reason": f"instance {name} exists ({existing.status})"}
+        if not reservation:
+            return {"status": "go", "reason": "no reservation to wait for"}
+        capacity = hook.reservation_capacity(name=reservation, **where)
+        if capacity is None:
+            return {"status": "go", "reason": f"reservation {reservation} does not exist"}
+        count, in_use = capacity
+        if in_use >= count:
+            return count, in_use, None
+        body = dict(run["body"])
+        if run["lifetime_minutes"]:
+            body = with_expiry_label(body, int(run["lifetime_minutes"]))
+        # Imported here: the provider's operators module is heavy, and only this step needs it.
+        from airflow.providers.google.cloud.operators.compute import GCE_INSTANCE_FIELDS_TO_SANITIZE
+        from airflow.providers.google.cloud.utils.field_sanitizer import GcpBodyFieldSanitizer
+
+        GcpBodyFieldSanitizer(GCE_INSTANCE_FIELDS_TO_SANITIZE).sanitize(body)
+        # Unique per insert: the API answers a request id it has seen with that request's outcome.
+        request_id = run["request_id"] and str(
+            uuid.uuid5(uuid.NAMESPACE_URL, f"{run['request_id']}/{self._try_number()}/start/{time.time()}")
+        )
+        self.log.info("Reservation %s has %d of %d machines free: creating %s", reservation, count - in_use, count, name)
+        try:
+            hook.insert_instance(body=body, request_id=request_id, **where)
+        except Exception as error:  # noqa: BLE001 - judged here, or by the worker
+            verdict = classify(error)
+            if verdict is not None and verdict.action is Action.WAIT_FOR_CAPACITY:
+                return count, in_use, str(verdict)
+            # Anything else keeps the worker's rules: a stockout or a 5xx its retries with backoff,
+            # a refusal for good its failure naming the cause (it inserts again and judges).
+            return {"status": "go", "reason": f"the insert of {name} failed: {verdict or error}"}
+        self.log.info("Instance %s is created", name)
+        return {"status": "created"}
