@@ -1,15 +1,9 @@
-"""Airflow plugin: a fine-tune run's note says how it ended (maxtext_sft.run_notes, a listener).
-
-Cheap to import: Airflow loads plugins in every process, and the listener imports what it needs
-only when a run ends.
-"""
+"""Airflow plugin from the plugins folder: a fine-tune run's note says how it ended
+(maxtext_sft.airflow_plugins), unless the installed distribution registers it by its entry point."""
 
 from __future__ import annotations
 
-from airflow.plugins_manager import AirflowPlugin
-from maxtext_sft import run_notes
+from maxtext_sft.airflow_plugins import registered_by_entry_point
 
-
-class RunNotesPlugin(AirflowPlugin):
-    name = "maxtext_sft_run_notes"
-    listeners = [run_notes]
+if not registered_by_entry_point():
+    from maxtext_sft.airflow_plugins import RunNotesPlugin  # noqa: F401 - found by Airflow's plugin loader

@@ -1,7 +1,9 @@
 """Folders of the project on a worker: include/ (VM scripts, declared jobs, eval) and where runs
 without an output location keep their export.
 
-Beside plugins/ by default (the Astronomer and docker-compose layout). The environment variable
+Beside plugins/ by default (the Astronomer and docker-compose layout); inside the package when it
+is installed from its wheel (the VM scripts, eval and rehearsal files are its package data; the
+declared jobs are not: MAXTEXT_SFT_JOBS_DIR names their folder there). The environment variable
 MAXTEXT_SFT_INCLUDE_DIR names the folder instead where a deployment puts it elsewhere, e.g.
 Composer's bucket data/ folder, mounted at /home/airflow/gcs/data. Read at call time, with no
 network or database, so DAG parsing stays cheap.
@@ -14,8 +16,12 @@ from pathlib import Path
 
 
 def include_dir() -> Path:
-    override = os.environ.get("MAXTEXT_SFT_INCLUDE_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "include"
+    """MAXTEXT_SFT_INCLUDE_DIR; else the installed distribution's package data (maxtext_sft/include,
+    pyproject.toml); else the repository's include/, beside plugins/."""
+    if override := os.environ.get("MAXTEXT_SFT_INCLUDE_DIR"):
+        return Path(override)
+    packaged = Path(__file__).resolve().parent / "include"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "include"
 
 
 def local_output_dir() -> Path:

@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),
     # The logic of the Airflow plugins (plugins/*_plugin.py): the run-note listener the scheduler
     # calls, and the Fine-tunes page the API server serves.
-    ("Airflow plugins", {"run_notes", "fine_tunes_page"}),
+    ("Airflow plugins", {"run_notes", "fine_tunes_page", "airflow_plugins"}),
 ]
 NO_SIDEWAYS = {"tasks"}
 

@@ -119,13 +119,26 @@ def test_the_vm_publishes_its_sshd_host_key(vm):
         assert transport.get_remote_server_key().get_base64() == host_keys["ssh-ed25519"]
 
 
-def test_a_host_key_other_than_the_published_one_is_refused(vm):
+@pytest.mark.parametrize("connection_says", [None, "true"], ids=["the connection as is", "no_host_key_check true"])
+def test_a_host_key_other_than_the_published_one_is_refused(vm, connection_says, monkeypatch):
+    """Whatever the connection's extra says: the key is checked (on the SSH provider before 7.0
+    too, whose hook takes no no_host_key_check argument: make test-floor)."""
+    import json
+
+    from airflow.models import Connection
     from localcloud.compute.emulator import _unrelated_ed25519_key
     from maxtext_sft.hooks.vm_ssh import HostKeyMismatch
 
+    conn_id = SSH_CONN_ID
+    if connection_says:
+        conn = Connection.get_connection_from_secrets(SSH_CONN_ID)
+        extra = {**conn.extra_dejson, "no_host_key_check": connection_says}
+        monkeypatch.setenv("AIRFLOW_CONN_VM_SSH_UNCHECKED", json.dumps({
+            "conn_type": "ssh", "login": conn.login, "extra": extra}))
+        conn_id = "vm_ssh_unchecked"
     address, _ = vm
     hook = VmSSHHook(
-        ssh_conn_id=SSH_CONN_ID,
+        ssh_conn_id=conn_id,
         remote_host=address,
         host_keys={"ssh-ed25519": _unrelated_ed25519_key()},
         conn_timeout=10,

@@ -49,9 +49,11 @@ class VmSSHHook(SSHHook):
             auth_timeout=conn_timeout,
             keepalive_interval=30,
             cmd_timeout=None,
-            no_host_key_check=False,
             **kwargs,
         )
+        # Set after the connection's extras are read (in __init__): whatever they say, the key is
+        # checked. (Not the constructor argument: the SSH provider before 7.0 has none.)
+        self.no_host_key_check = False
         self.look_for_keys = False  # only the connection's key, never whatever is in the worker's ~/.ssh
         self.allow_host_key_change = False
         kind = next((kind for kind in HOST_KEY_TYPES if kind in host_keys), None)

@@ -1,0 +1,37 @@
+"""Run by `make test-floor` only (MAXTEXT_SFT_FLOOR=1): the environment is the declared floor
+(requirements-floor.txt) and the package under test is the installed wheel, so the other tests of
+that run (the DAGs' parse, the pipeline under dag.test()) say what they say of the floor."""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+if os.environ.get("MAXTEXT_SFT_FLOOR") != "1":
+    pytest.skip("the floor's own checks: make test-floor", allow_module_level=True)
+
+
+def test_the_floor_versions_are_installed():
+    pinned = {}
+    for line in (REPO / "requirements-floor.txt").read_text().splitlines():
+        name, _, wanted = line.partition("==")
+        if wanted and not line.startswith("#") and not wanted.endswith("*"):
+            pinned[name.strip()] = wanted.strip()
+    assert pinned["apache-airflow"] == "3.3.1"
+    assert {name: version(name) for name in pinned} == pinned
+
+
+def test_the_package_and_its_plugins_come_from_the_installed_wheel():
+    import maxtext_sft
+    from airflow import plugins_manager
+
+    assert "site-packages" in Path(maxtext_sft.__file__).parts, maxtext_sft.__file__
+    assert version("maxtext-sft-airflow")
+    names = sorted(info["name"] for info in plugins_manager.get_plugin_info())
+    assert {"maxtext_sft", "maxtext_sft_run_notes"} <= set(names), names
