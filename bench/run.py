@@ -327,9 +327,11 @@ def worker_slots(runs: list[dict], stretches: list[dict]) -> dict:
                 sensor_ends[stretch["ended_as"]] = sensor_ends.get(stretch["ended_as"], 0) + 1
         creates = [s for s in mine if s["task_id"] == "create_vm"]
         deferrals += sum(1 for s in creates if s["ended_as"] == "deferred")
-        first_create = min((s["start"] for s in creates), default=None)
-        before = [s["end"] for s in mine if s["task_id"] != "create_vm" and first_create is not None and s["end"] <= first_create]
-        held, blocking = figures.capacity_wait(creates, ready_at=max(before, default=None))
+        ready_at = None  # when create_vm could start: the end of the run's last stretch before it
+        if creates:
+            first_create = min(s["start"] for s in creates)
+            ready_at = max((s["end"] for s in mine if s["task_id"] != "create_vm" and s["end"] <= first_create), default=None)
+        held, blocking = figures.capacity_wait(creates, ready_at=ready_at)
         wait_held += held
         wait_blocking += blocking
     # start_training starts the training: its own end (the task reporting success) follows the pid

@@ -11,7 +11,7 @@ the app (`fastapi_apps`), and the listener imports what it needs only when a run
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cache, cached_property
 from importlib.metadata import entry_points
 
 from airflow.plugins_manager import AirflowPlugin
@@ -21,6 +21,7 @@ from maxtext_sft.task_links import HubCommitLink, RunFolderConsoleLink, VmConsol
 FINE_TUNES_PREFIX = "/fine-tunes"  # maxtext_sft.fine_tunes_page.URL_PREFIX, without importing it here
 
 
+@cache  # both plugin files ask, in every process that loads plugins: the installed set is read once
 def registered_by_entry_point() -> bool:
     """Whether an installed distribution registers these plugins (its `airflow.plugins` entry
     points): then the plugins folder must not register them again (Airflow reports a plugin

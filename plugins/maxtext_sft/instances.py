@@ -8,6 +8,7 @@ VmRecovery after a loss); the janitor reads the same label.
 from __future__ import annotations
 
 import time
+import uuid
 
 from google.api_core.exceptions import NotFound
 from google.cloud.compute_v1.types import Instance
@@ -25,6 +26,12 @@ def with_expiry_label(body: dict, lifetime_minutes: int) -> dict:
     that, Airflow or not."""
     expires = int(time.time()) + lifetime_minutes * 60
     return {**body, "labels": {**body.get("labels", {}), EXPIRY_LABEL: str(expires)}}
+
+
+def insert_request_id(base: str, try_number: int, key: str = "") -> str:
+    """A request id per resource, try and (`key`) insert: the API answers a request id it has seen
+    with that request's outcome, a refusal included."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{base}/{try_number}{key}"))
 
 
 def adoptable_instance(hook: ComputeEngineEndpointHook, where: dict, log) -> Instance | None:

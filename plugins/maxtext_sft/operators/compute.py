@@ -10,7 +10,6 @@ success means it is really gone.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -27,7 +26,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, endpoint_hook_for
-from maxtext_sft.instances import adoptable_instance, with_expiry_label
+from maxtext_sft.instances import adoptable_instance, insert_request_id, with_expiry_label
 from maxtext_sft.task_links import VmConsoleLink
 from maxtext_sft.trigger_start import xcom_arg_template
 from maxtext_sft.triggers.capacity import (
@@ -160,7 +159,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             self.resource_id = self.body["name"]
         if self.request_id:
             try_number = context["ti"].try_number
-            self.request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.request_id}/{try_number}{insert_key}"))
+            self.request_id = insert_request_id(self.request_id, try_number, insert_key)
         self._validate_inputs()
         self._validate_all_body_fields()
         self.check_body_fields()
@@ -284,7 +283,7 @@ class CreateImageOperator(BaseOperator):
         name = self.body["name"]
         existing = hook.get_image(name=name, project_id=self.project_id)
         if existing is None:
-            request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{self.project_id}/{name}/{context['ti'].try_number}"))
+            request_id = insert_request_id(f"{self.project_id}/{name}", context["ti"].try_number)
             self.log.info("Creating image %s in family %s from %s", name, self.body["family"], self.body["sourceDisk"])
             hook.insert_image(body=self.body, project_id=self.project_id, request_id=request_id)
         elif not existing.get("sourceDisk", "").endswith(self.body["sourceDisk"]):

@@ -13,7 +13,6 @@ as success and confirms the resource is gone.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 
 from google.api_core.exceptions import NotFound
@@ -28,14 +27,14 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, endpoint_hook_for
-from maxtext_sft.instances import with_expiry_label
+from maxtext_sft.instances import insert_request_id, with_expiry_label
 from maxtext_sft.triggers.capacity import CAPACITY_FIRST_READ_SECONDS, CAPACITY_POLL_SECONDS, ReservationCapacityTrigger
 from maxtext_sft.triggers.slice import SliceHostsTrigger
 
 
 def _request_id(context, key: str) -> str:
     """A request id per resource and try: the API answers a repeated one with the first outcome."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{key}/{context['ti'].try_number}"))
+    return insert_request_id(key, context["ti"].try_number)
 
 
 def _refused(what: str, error: Exception) -> Exception:

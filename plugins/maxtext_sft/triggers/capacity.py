@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
@@ -27,7 +26,7 @@ from google.api_core.exceptions import NotFound
 
 from maxtext_sft.cloud_errors import Action, classify
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.instances import with_expiry_label
+from maxtext_sft.instances import insert_request_id, with_expiry_label
 from maxtext_sft.trigger_start import from_json
 
 # When a task waiting for capacity has the trigger read a full reservation: first after the
@@ -313,10 +312,7 @@ class CreateVmStartTrigger(BaseTrigger):
         from airflow.providers.google.cloud.utils.field_sanitizer import GcpBodyFieldSanitizer
 
         GcpBodyFieldSanitizer(GCE_INSTANCE_FIELDS_TO_SANITIZE).sanitize(body)
-        # Unique per insert: the API answers a request id it has seen with that request's outcome.
-        request_id = run["request_id"] and str(
-            uuid.uuid5(uuid.NAMESPACE_URL, f"{run['request_id']}/{self._try_number()}/start/{time.time()}")
-        )
+        request_id = run["request_id"] and insert_request_id(run["request_id"], self._try_number(), f"/start/{time.time()}")
         self.log.info("Reservation %s has %d of %d machines free: creating %s", reservation, count - in_use, count, name)
         try:
             hook.insert_instance(body=body, request_id=request_id, **where)
