@@ -2184,16 +2184,20 @@ class ComputeEmulator(groups.SliceResources):
         )
 
     def _allocate_ip(self) -> str:
-        """Lowest free 127.0.0.N (N >= 2): leased by no emulator on this machine, port 22 bindable.
+        """A free 127.0.0.N (N >= 2), the one released longest ago: leased by no emulator on this
+        machine, port 22 bindable.
 
         The lease is an flock on a file per address, shared by every emulator on the machine (a
         developer's and a CI run's, say): checking the port alone races with another emulator
         whose VM has the address but has not bound it yet. The kernel drops a dead emulator's
-        leases with its file descriptors.
+        leases with its file descriptors. A release writes its time into the file, and addresses
+        are handed out oldest release first, never-used ones before all: an address a deleted VM
+        just gave up is not at once another VM's, so a check that the deleted VM no longer
+        answers there cannot meet a newer VM (Compute Engine documents no order for ephemeral
+        internal addresses; not reusing the last one is the cautious reading).
         """
         LEASE_DIR.mkdir(parents=True, exist_ok=True)
-        for n in range(2, 255):
-            ip = f"127.0.0.{n}"
+        for ip in sorted((f"127.0.0.{n}" for n in range(2, 255)), key=_released_at):
             if ip in self.ip_leases:
                 continue
             fd = os.open(LEASE_DIR / ip, os.O_RDWR | os.O_CREAT, 0o644)
@@ -2212,6 +2216,8 @@ class ComputeEmulator(groups.SliceResources):
     def _release_ip(self, ip: str | None) -> None:
         fd = self.ip_leases.pop(ip, None) if ip else None
         if fd is not None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{time.time():.6f}".encode(), 0)
             os.close(fd)  # closing the descriptor drops the flock
 
     # ----- emulator control ----------------------------------------------------------------
@@ -2288,6 +2294,15 @@ def _skel(image_dir: Path | None) -> Path | None:
 def _one(query: dict, key: str) -> str | None:
     values = query.get(key)
     return values[-1] if values else None
+
+
+def _released_at(ip: str) -> tuple[float, int]:
+    """When `ip` was last released (0 if never), then its last octet: _allocate_ip's order."""
+    try:
+        stamp = float((LEASE_DIR / ip).read_text() or 0)
+    except (OSError, ValueError):
+        stamp = 0.0
+    return stamp, int(ip.rsplit(".", 1)[1])
 
 
 def _port_free(ip: str, port: int) -> bool:

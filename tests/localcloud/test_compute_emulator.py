@@ -746,7 +746,8 @@ def test_localcloud_restarts_clean_after_emulator_sigkill(tmp_path, compute_imag
             op = discovery.instances().insert(project=PROJECT, zone=ZONE, body=body_for("lc-crash-1")).execute()
             assert "error" not in wait(discovery, op)
             new = next(v for v in second.vms() if v["name"] == "lc-crash-1")
-            assert new["ip"] == old["ip"] and port_open(new["ip"])
+            # The new VM answers on its own address (the old one goes to the back of the queue).
+            assert port_open(new["ip"]) and new["sshd_pid"] != old["sshd_pid"]
             proc = second._proc
         # A clean stop: exit 0 and the VM gone.
         assert proc.returncode == 0
@@ -875,6 +876,32 @@ def test_time_limits_are_validated_like_the_api(compute_cloud, compute_discovery
         for done in names:
             if instance_or_none(compute_discovery, done):
                 delete_and_wait(compute_discovery, done)
+
+
+def test_a_released_address_goes_to_the_back_of_the_queue(tmp_path, monkeypatch):
+    """Another emulator on the machine (an xdist worker's) does not take the address a VM gave up
+    a moment ago while older free ones exist: a check that the deleted VM no longer answers on
+    its address must not meet a newer VM there."""
+    from localcloud.compute import emulator as compute_emulator
+
+    monkeypatch.setattr(compute_emulator, "LEASE_DIR", tmp_path / "leases")
+    first = compute_emulator.ComputeEmulator(tmp_path / "first")
+    second = compute_emulator.ComputeEmulator(tmp_path / "second")
+    try:
+        deleted = first._allocate_ip()
+        kept = second._allocate_ip()
+        assert deleted != kept
+        first._release_ip(deleted)
+        newer = [second._allocate_ip() for _ in range(3)]
+        assert deleted not in newer and kept not in newer and len(set(newer)) == 3
+        # Among released addresses, the one released longest ago comes first.
+        second._release_ip(kept)
+        assert compute_emulator._released_at(deleted) < compute_emulator._released_at(kept)
+    finally:
+        for emulator in (first, second):
+            emulator.shutdown()
+            for ip in list(emulator.ip_leases):
+                emulator._release_ip(ip)
 
 
 def test_time_limits_delete_or_stop_the_vm_counted_from_running(compute_cloud, compute_vm, compute_discovery):
