@@ -117,6 +117,7 @@ class Airflow:
         celery_workers: int = 2,
         users: dict[str, str] | None = None,
         database_migrated: bool = False,
+        installed_package: Path | None = None,
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -132,6 +133,11 @@ class Airflow:
         # True: database_url already holds Airflow's current schema (a copy of a migrated
         # template), so start() skips `airflow db migrate`.
         self.database_migrated = database_migrated
+        # A site directory with the wheel installed (its package and dist-info): the components
+        # import maxtext_sft and find its plugins (entry points) there only, with an empty plugins
+        # folder, as on Cloud Composer 3, whose scheduler and triggerer load no plugins folder.
+        # None: this repository's plugins/ is the plugins folder and on the path (compose, Astro).
+        self.installed_package = Path(installed_package) if installed_package else None
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -322,7 +328,7 @@ class Airflow:
             "AIRFLOW__CORE__AUTH_MANAGER": SIMPLE_AUTH_MANAGER,
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "true",
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(self._plugins_folder()),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "false",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
@@ -337,7 +343,8 @@ class Airflow:
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
-            "PYTHONPATH": str(REPO / "plugins"),  # as in a deployment: plugins/ is importable
+            # As in a deployment: plugins/ is importable, or the installed package is.
+            "PYTHONPATH": str(self.installed_package or REPO / "plugins"),
         }
         if self.celery_broker_url:
             env.update(self._celery_env())
@@ -351,6 +358,13 @@ class Airflow:
             env["AIRFLOW__CORE__MP_START_METHOD"] = "forkserver"
             env["AIRFLOW__CORE__MP_FORKSERVER_PRELOAD"] = ",".join(TASK_MODULES)
         return env
+
+    def _plugins_folder(self) -> Path:
+        if self.installed_package is None:
+            return REPO / "plugins"
+        empty = self.home / "plugins"
+        empty.mkdir(parents=True, exist_ok=True)
+        return empty
 
     def _celery_env(self) -> dict[str, str]:
         """CeleryExecutor settings, as docker-compose.yaml gives them: Redis as the broker, the

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,26 @@ def local_bucket(local_cloud, name: str):
         project="local-project", credentials=AnonymousCredentials(), client_options={"api_endpoint": local_cloud.storage_url}
     )
     return client.bucket(name)
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """`make dist`'s wheel, built from this checkout with the locked build backend (no download)."""
+    uv = shutil.which("uv")
+    assert uv, "uv is not on PATH (make venv installs it)"
+    out = tmp_path_factory.mktemp("dist")
+    built = subprocess.run([uv, "build", "--wheel", "--no-build-isolation", "--python", sys.executable, "-o", str(out), str(REPO)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [found] = out.glob("*.whl")
+    return found
+
+
+@pytest.fixture(scope="session")
+def wheel_site(wheel, tmp_path_factory) -> Path:
+    """The wheel unpacked as a site directory (what pip puts in site-packages: the package and its
+    dist-info, whose entry points importlib.metadata reads)."""
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return site

@@ -21,29 +21,6 @@ PACKAGE = REPO / "plugins" / "maxtext_sft"
 PACKAGE_DATA = ("vm", "eval", "rehearsal")  # include/ folders the tasks read at run time
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """`make dist`'s wheel, built from this checkout with the locked build backend (no download)."""
-    uv = shutil.which("uv")
-    assert uv, "uv is not on PATH (make venv installs it)"
-    out = tmp_path_factory.mktemp("dist")
-    built = subprocess.run([uv, "build", "--wheel", "--no-build-isolation", "--python", sys.executable, "-o", str(out), str(REPO)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    [found] = out.glob("*.whl")
-    return found
-
-
-@pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> Path:
-    """The wheel unpacked as a site directory (what pip puts in site-packages: the package and its
-    dist-info, whose entry points importlib.metadata reads)."""
-    site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site)
-    return site
-
-
 def test_the_wheel_holds_every_module_and_the_run_time_files(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {f"maxtext_sft/{path.relative_to(PACKAGE).as_posix()}" for path in PACKAGE.rglob("*.py")}
@@ -98,28 +75,28 @@ def probe(site: Path, plugins_folder: Path, home: Path) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_with_an_empty_plugins_folder_the_plugins_load_from_the_installed_wheel(installed, tmp_path):
+def test_with_an_empty_plugins_folder_the_plugins_load_from_the_installed_wheel(wheel_site, tmp_path):
     """Cloud Composer 3's scheduler and triggerer load no plugins folder: the wheel alone."""
     empty = tmp_path / "plugins"
     empty.mkdir()
-    found = probe(installed, empty, tmp_path)
+    found = probe(wheel_site, empty, tmp_path)
 
-    assert Path(found["package"]).is_relative_to(installed)
+    assert Path(found["package"]).is_relative_to(wheel_site)
     assert [name for name, _ in found["plugins"]] == ["maxtext_sft", "maxtext_sft_run_notes"]
     assert all("maxtext-sft-airflow" in source for _, source in found["plugins"]), found["plugins"]
     assert found["errors"] == {}
     # The VM scripts come from the package's data, not from a checkout.
-    assert Path(found["include"]) == installed / "maxtext_sft" / "include"
+    assert Path(found["include"]) == wheel_site / "maxtext_sft" / "include"
     assert sorted(path.name for path in (REPO / "include" / "vm").iterdir()) == found["scripts"]
 
 
-def test_with_the_wheel_installed_the_plugins_folder_does_not_register_them_again(installed, tmp_path):
+def test_with_the_wheel_installed_the_plugins_folder_does_not_register_them_again(wheel_site, tmp_path):
     """The compose file and Astro mount plugins/ too: each plugin is registered once, by the wheel."""
     folder = tmp_path / "plugins"
     folder.mkdir()
     for plugin_file in (REPO / "plugins").glob("*_plugin.py"):
         shutil.copy(plugin_file, folder)
-    found = probe(installed, folder, tmp_path)
+    found = probe(wheel_site, folder, tmp_path)
 
     assert [name for name, _ in found["plugins"]] == ["maxtext_sft", "maxtext_sft_run_notes"]
     assert found["errors"] == {}

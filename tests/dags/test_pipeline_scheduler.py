@@ -225,21 +225,38 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
     assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
-@pytest.mark.airflow_config(
-    {"AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "5", "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2"}
-)
-def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_worker_slot(airflow, local_cloud):
+def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_worker_slot(
+    start_airflow, wheel_site, local_cloud
+):
     """The VM is deleted mid-training (durable checkpoints) and another run takes the freed
     machine. The training sensor finds the VM gone and the reservation full: it defers to the
     capacity trigger (the scheduler's task state says deferred) until the machine comes back, then
     recreates the VM and resumes. bench/recovery_slots.py measures, from Airflow's event log and
-    the run's ledger, the worker-slot-seconds held while it waited: none."""
+    the run's ledger, the worker-slot-seconds held while it waited: none.
+
+    Deployed as on Cloud Composer 3: every component has the installed wheel and the DAG files,
+    and nothing from plugins/ (an empty plugins folder, plugins/ not on the path), so create_vm's
+    start, the training's wait and the capacity wait run on a triggerer that has the package
+    only as an installed distribution; the declared jobs' folder is named by MAXTEXT_SFT_JOBS_DIR
+    (Composer's mounted data/ folder, say)."""
     from bench.recovery_slots import AirflowApi, measure, report
     from localcloud.connections import LOCAL_PROJECT, LOCAL_RESERVATION_COUNT, LOCAL_RUN_CONF, LOCAL_ZONE
     from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
     from maxtext_sft.spec import RunSpec
     from tests.dags.test_fault_matrix import training_logged
 
+    airflow = start_airflow(
+        {
+            "AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "5",
+            "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
+            "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
+        },
+        installed_package=wheel_site,
+    )
+    assert airflow.get("/api/v2/importErrors")["total_entries"] == 0
+    sources = {p["name"]: p["source"] for p in airflow.get("/api/v2/plugins")["plugins"]}
+    assert {"maxtext_sft", "maxtext_sft_run_notes"} <= set(sources), sources
+    assert all("maxtext-sft-airflow" in sources[name] for name in ("maxtext_sft", "maxtext_sft_run_notes")), sources
     fault_tally.fault_injected()
     reservation = LOCAL_RUN_CONF["reservation"]
     bucket = "scheduler-recovery"
@@ -285,6 +302,9 @@ def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_work
     fault_tally.vms_left(leaked)
     assert leaked == []
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["vm_recoveries"] == 1
+    # The run-note listener ran in the scheduler, from the installed wheel's entry point.
+    note = wait_until(lambda: airflow.run(run_id)["note"], 60, "the run's note")
+    assert note.startswith("Succeeded: "), note
     # The training trigger's log lines (it watched steps on the triggerer) are in the task's log.
     sensor_log = json.dumps(airflow.task_log(run_id, "wait_for_final_checkpoint"))
     assert "TrainingStatusTrigger" in sensor_log and "training progress: step 8, loss" in sensor_log, sensor_log[-3000:]
