@@ -89,7 +89,7 @@ dist: venv
 # the DAGs parse and the pipeline runs under dag.test() with the stand-in, the triggers and the
 # listener loaded from the wheel. Not part of `make test` yet (CI time, see README).
 FLOOR_VENV ?= .venv-floor
-FLOOR_TESTS ?= tests/dags/test_maxtext_sft_dag.py tests/dags/test_pipeline_e2e.py tests/plugins/test_vm_ssh_hook.py \
+FLOOR_TESTS ?= tests/dags/test_maxtext_sft_dag.py tests/dags/test_pipeline_e2e.py tests/dags/test_floor_slice.py tests/plugins/test_vm_ssh_hook.py \
 	tests/plugins/test_training_trigger.py tests/plugins/test_capacity_start_trigger.py tests/test_floor.py
 test-floor: dist system-deps
 	uv venv -q --allow-existing --python 3.11 $(FLOOR_VENV)

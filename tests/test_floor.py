@@ -35,3 +35,12 @@ def test_the_package_and_its_plugins_come_from_the_installed_wheel():
     assert version("maxtext-sft-airflow")
     names = sorted(info["name"] for info in plugins_manager.get_plugin_info())
     assert {"maxtext_sft", "maxtext_sft_run_notes"} <= set(names), names
+
+
+def test_the_run_note_listener_is_registered_from_the_installed_wheel():
+    from airflow.listeners.listener import get_listener_manager
+
+    import maxtext_sft.run_notes
+
+    assert "site-packages" in Path(maxtext_sft.run_notes.__file__).parts
+    assert maxtext_sft.run_notes in get_listener_manager().pm.get_plugins()
