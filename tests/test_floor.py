@@ -44,3 +44,21 @@ def test_the_run_note_listener_is_registered_from_the_installed_wheel():
 
     assert "site-packages" in Path(maxtext_sft.run_notes.__file__).parts
     assert maxtext_sft.run_notes in get_listener_manager().pm.get_plugins()
+
+
+def test_the_floor_meets_every_requirement_the_wheel_declares():
+    """What `pip install` of the wheel would check: each declared range (the slack extra's too)
+    holds the floor's installed version, so nothing would be upgraded over a managed image's."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for line in requires("maxtext-sft-airflow"):
+        requirement = Requirement(line)
+        if requirement.marker and not requirement.marker.evaluate({"extra": "slack"}):
+            continue
+        installed = version(requirement.name)
+        if not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{requirement} (installed {installed})")
+    assert unmet == []
