@@ -91,11 +91,16 @@ dist: venv
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests/dags/test_maxtext_sft_dag.py tests/dags/test_pipeline_e2e.py tests/dags/test_floor_slice.py tests/plugins/test_vm_ssh_hook.py \
 	tests/plugins/test_training_trigger.py tests/plugins/test_capacity_start_trigger.py tests/test_floor.py
+# Left out on the floor (the suite runs them on the lock): each DAG file's parse in a process of its
+# own (dag_bag parses them all, import errors asserted), the pipeline's fault runs that exercise
+# this package's logic rather than Airflow's or a provider's, and a 10-second SSH silence.
+FLOOR_DESELECT ?= parses_without_network or create_that_fails or retried_create or stops_early or invalid_conf \
+	or silent_for_longer
 test-floor: dist system-deps
 	uv venv -q --allow-existing --python 3.11 $(FLOOR_VENV)
-	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q --compile-bytecode requirements-floor.lock
+	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q requirements-floor.lock  # no --compile-bytecode: 57 s of CPU for modules never imported
 	VIRTUAL_ENV=$(FLOOR_VENV) uv pip install -q --no-deps --reinstall dist/maxtext_sft_airflow-*.whl
-	MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider $(FLOOR_TESTS)
+	MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider -k "not ($(FLOOR_DESELECT))" $(FLOOR_TESTS)
 
 lock:
 	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock

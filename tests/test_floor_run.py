@@ -43,5 +43,6 @@ def test_the_declared_floor_passes():
     assert process.returncode == 0, output[-8000:]
     [summary] = re.findall(r"^=+ (.*) in [0-9.]+s.*=+$", output, re.M)[-1:]
     counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (\w+)", summary))
-    # Every floor test ran: none skipped (the floor's own checks skip outside the floor).
-    assert counts.get("passed", 0) >= 60 and set(counts) <= {"passed", "warnings"}, summary
+    # Every floor test ran (the floor's own checks skip outside the floor), but for those the
+    # Makefile's FLOOR_DESELECT leaves to the suite.
+    assert counts.get("passed", 0) >= 40 and set(counts) <= {"passed", "deselected", "warnings"}, summary
