@@ -62,13 +62,13 @@ run: venv system-deps bytecode
 rehearse: venv system-deps bytecode
 	$(PYTHON) -m localcloud.run_pipeline --rehearsal --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
 
-# Three pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
-# poll, and a third worker fills those waits (fresh clones here, the real image built each time:
-# 30 min 53 s with two workers, 24 min 22 s with three; README). A file's tests stay on one
-# worker unless the file is marked `spread` (tests/conftest.py). The 15 slowest tests are listed
-# at the end. PYTEST_WORKERS=0: one process.
+# Four pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
+# poll, and more workers fill those waits (fresh clones here: 30 min 53 s with two workers, 24 min
+# 22 s with three; d838750, the floor's run included, 25 min 28 s with three, 20 min 10 s with
+# four; README). A file's tests stay on one worker unless the file is marked `spread`
+# (tests/conftest.py). The 15 slowest tests are listed at the end. PYTEST_WORKERS=0: one process.
 # pytest exits 5 when it collected no test: that must fail, not pass quietly.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 4
 test: venv system-deps bytecode
 	@$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
