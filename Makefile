@@ -87,7 +87,7 @@ dist: venv
 # The declared floor (requirements-floor.txt: Airflow 3.3.1 with MWAA 3.3.1's providers), with the
 # package installed from its wheel, not from plugins/ (pytest's pythonpath is only the repository):
 # the DAGs parse and the pipeline runs under dag.test() with the stand-in, the triggers and the
-# listener loaded from the wheel. Not part of `make test` yet (CI time, see README).
+# listener loaded from the wheel. `make test` runs it too (tests/test_floor_run.py).
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests/dags/test_maxtext_sft_dag.py tests/dags/test_pipeline_e2e.py tests/dags/test_floor_slice.py tests/plugins/test_vm_ssh_hook.py \
 	tests/plugins/test_training_trigger.py tests/plugins/test_capacity_start_trigger.py tests/test_floor.py

@@ -86,9 +86,10 @@ def pytest_configure(config):
 
 def expected_cost(item) -> int:
     """How long a test takes, roughly, as a rank (0: the longest): the real-MaxText pipeline runs
-    (minutes of CPU each) and the floor's run (minutes, a pytest of its own), then the tests that run Airflow's real components (they use the
-    session's PostgreSQL server: a scheduler start-up and whole runs), then the other whole-DAG
-    runs and the tests of the real image, then the rest (seconds)."""
+    (minutes of CPU each) and the floor's run (minutes, a pytest of its own), then the tests that
+    run Airflow's real components (they use the session's PostgreSQL server: a scheduler start-up
+    and whole runs), then the other whole-DAG runs and the tests of the real image, then the rest
+    (seconds)."""
     real, e2e = item.get_closest_marker("real_maxtext"), item.get_closest_marker("e2e")
     if (real and e2e) or item.get_closest_marker("floor"):
         return 0

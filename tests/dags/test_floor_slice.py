@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.dags.test_pipeline_slice import DAG_ID, HOSTS, RESERVATION, _conf, _leftovers
+from tests.dags.test_pipeline_slice import DAG_ID, HOSTS, NAME_KEYS, RESERVATION, _conf, _leftovers
 
 if os.environ.get("MAXTEXT_SFT_FLOOR") != "1":
     pytest.skip("the floor's own checks: make test-floor", allow_module_level=True)
@@ -25,7 +25,6 @@ def test_a_v6e_16_run_trains_on_every_host_and_leaves_nothing(run_pipeline, loca
     hosts = run.xcoms["create_slice.return_value"]
     assert len(hosts) == HOSTS
     assert run.xcoms["wait_for_final_checkpoint.return_value"]["final_step"] == 4
-    names = {key: run.xcoms[f"plan_run.{key}"]
-             for key in ("project_id", "zone", "region", "policy_name", "template_name", "group_name")}
+    names = {key: run.xcoms[f"plan_run.{key}"] for key in NAME_KEYS}
     assert _leftovers(names) == []
     assert [vm for vm in local_cloud.vms() if vm["name"].startswith(names["group_name"])] == []

@@ -132,11 +132,12 @@ def _run_error(airflow, run_id: str) -> str:
     return _log(airflow, run_id, "check_run_outcome")
 
 
+# plan_run's XComs that name a run's slice resources (what _leftovers reads).
+NAME_KEYS = ("project_id", "zone", "region", "policy_name", "template_name", "group_name")
+
+
 def _names(airflow, run_id: str) -> dict:
-    return {
-        key: airflow.xcom(run_id, "plan_run", key=key, dag_id=DAG_ID)
-        for key in ("project_id", "zone", "region", "policy_name", "template_name", "group_name")
-    }
+    return {key: airflow.xcom(run_id, "plan_run", key=key, dag_id=DAG_ID) for key in NAME_KEYS}
 
 
 def _failed_naming_and_left_nothing(airflow, local_cloud, run_id: str, cause: str) -> None:
