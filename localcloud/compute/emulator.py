@@ -63,6 +63,10 @@ API_PREFIX = "/compute/v1/"
 CONTROL_PREFIX = "/_localcloud/"
 # Machine-wide leases of VM addresses, shared by all emulators (see _allocate_ip).
 LEASE_DIR = Path("/tmp/localcloud-ip-leases")
+# VMs get 127.0.0.2 to 127.0.0.249. The rest is never leased: a test that needs an address where
+# nothing answers (port 22 refuses) takes one of these, and no other worker's VM can be there.
+VM_ADDRESSES = tuple(f"127.0.0.{n}" for n in range(2, 250))
+NEVER_LEASED = tuple(f"127.0.0.{n}" for n in range(250, 255))
 OPERATION_USER = "localcloud-user@localcloud.invalid"
 
 _NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
@@ -2197,7 +2201,7 @@ class ComputeEmulator(groups.SliceResources):
         internal addresses; not reusing the last one is the cautious reading).
         """
         LEASE_DIR.mkdir(parents=True, exist_ok=True)
-        for ip in sorted((f"127.0.0.{n}" for n in range(2, 255)), key=_released_at):
+        for ip in sorted(VM_ADDRESSES, key=_released_at):
             if ip in self.ip_leases:
                 continue
             fd = os.open(LEASE_DIR / ip, os.O_RDWR | os.O_CREAT, 0o644)

@@ -904,6 +904,25 @@ def test_a_released_address_goes_to_the_back_of_the_queue(tmp_path, monkeypatch)
                 emulator._release_ip(ip)
 
 
+def test_the_addresses_tests_use_for_nobody_are_never_a_vms(tmp_path, monkeypatch):
+    """Tests point a login at NEVER_LEASED to meet a refused connection; an emulator that ran out
+    of other addresses must answer 503, not hand one of those out to a VM."""
+    from localcloud.compute import emulator as compute_emulator
+
+    monkeypatch.setattr(compute_emulator, "LEASE_DIR", tmp_path / "leases")
+    emulator = compute_emulator.ComputeEmulator(tmp_path / "emulator")
+    try:
+        with pytest.raises(compute_emulator.ApiError) as exhausted:
+            while True:
+                emulator._allocate_ip()
+        assert exhausted.value.code == 503
+        assert emulator.ip_leases and not set(emulator.ip_leases) & set(compute_emulator.NEVER_LEASED)
+    finally:
+        emulator.shutdown()
+        for ip in list(emulator.ip_leases):
+            emulator._release_ip(ip)
+
+
 def test_time_limits_delete_or_stop_the_vm_counted_from_running(compute_cloud, compute_vm, compute_discovery):
     key = paramiko.ECDSAKey.generate()
     deleted = compute_vm(

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from localcloud.compute.emulator import NEVER_LEASED
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
 from maxtext_sft.triggers.training import SliceTrainingStatusTrigger, TrainingStatusTrigger
@@ -29,7 +30,7 @@ from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module
     vm_spec,
 )
 
-NOBODY = "127.0.0.254"  # nothing listens there: port 22 refuses the connection
+NOBODY = NEVER_LEASED[0]  # nothing listens there: port 22 refuses the connection
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from localcloud.compute.emulator import NEVER_LEASED
 from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
 from maxtext_sft.triggers import ssh_ready
 from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
@@ -22,7 +23,7 @@ from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module
     vm_ssh_kwargs,
 )
 
-NOBODY = "127.0.0.254"  # nothing listens there: port 22 refuses the connection
+NOBODY, ELSEWHERE = NEVER_LEASED[:2]  # nothing listens there: port 22 refuses the connection
 
 
 def trigger_for(spec, address, keys, **overrides) -> SshReadyTrigger:
@@ -180,10 +181,10 @@ def test_at_the_bound_every_waiting_hosts_last_error_comes_back(vm, running):
     spec, _, keys, _ = vm
     deadline = time.time() + 1
     event = first_event(SliceSshReadyTrigger(hosts=[
-        host(spec, NOBODY, keys, "host-0", deadline=deadline), host(spec, "127.0.0.253", keys, "host-1", deadline=deadline),
+        host(spec, NOBODY, keys, "host-0", deadline=deadline), host(spec, ELSEWHERE, keys, "host-1", deadline=deadline),
     ]))
     assert event["ready"] == [] and set(event["events"]) == {"host-0", "host-1"}
-    assert "127.0.0.253" in event["events"]["host-1"]["error"] and NOBODY in event["events"]["host-0"]["error"]
+    assert ELSEWHERE in event["events"]["host-1"]["error"] and NOBODY in event["events"]["host-0"]["error"]
 
 
 def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_connections(vm, logins, monkeypatch):

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 import pytest
 from google.api_core.exceptions import NotFound
 
+from localcloud.compute.emulator import NEVER_LEASED
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.vm_ssh import VmSSHHook
@@ -221,7 +222,7 @@ def test_a_host_key_other_than_the_published_one_is_refused(vm):
 
 def test_an_unanswering_vm_goes_to_the_worker_at_once_then_at_its_bound(vm, local_cloud):
     spec, address, keys, hook = vm
-    nobody = "127.0.0.254"  # nothing listens there
+    nobody = NEVER_LEASED[0]  # nothing listens there
     event = first_event(trigger_for(spec, nobody, keys))
     assert event["status"] == "unreachable" and event["answered"] is False and event["error"], event
 
