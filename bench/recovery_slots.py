@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench import figures
-from maxtext_sft.run_names import ledger_entry_number, ledger_resumed_name
+from maxtext_sft.run.names import ledger_entry_number, ledger_resumed_name
 
 RESUME_STEPS = ("install", "convert", "start_training")
 
@@ -124,7 +124,7 @@ class AirflowApi:
 
 
 def measure(api: AirflowApi, dag_id: str, run_id: str, gcp_conn_id: str) -> list[dict[str, Any]]:
-    from maxtext_sft.summarize import recovery_ledger
+    from maxtext_sft.tasks.summarize import recovery_ledger
 
     ledger = recovery_ledger(api.spec(dag_id, run_id), gcp_conn_id)
     stretches = [s for s in figures.running_intervals(api.event_logs(dag_id, run_id)) if s["run_id"] == run_id]

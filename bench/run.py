@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".localcloud" / "bench"
 DAG_ID = "bench_sft"
 JOB_FILE = "bench-sft.yaml"
-LOADER = f'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{JOB_FILE}")\n'
+LOADER = f'from airflow.sdk import DAG\nfrom maxtext_sft.builders.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{JOB_FILE}")\n'
 BAKE_DAG_FILE = REPO / "dags" / "maxtext_sft_bake_image.py"
 BAKE_DAG_ID = "maxtext_sft_bake_image"
 BAKED = "baked"  # --repeat-image: bake the cold run's image first, then boot the baked family
@@ -183,7 +183,7 @@ def trigger_and_wait(airflow: Airflow, conf: dict, timeout: float, what: str) ->
 
 def why_failed(run: dict) -> str:
     """A failed run's cause, as its note says it (the run-notes listener writes the first failed
-    task and its error there: maxtext_sft/run_notes.py)."""
+    task and its error there: maxtext_sft/ui/run_notes.py)."""
     return run.get("note") or "its run has no note; see its task logs"
 
 

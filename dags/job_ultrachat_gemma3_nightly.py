@@ -1,4 +1,4 @@
-"""Declared job include/jobs/ultrachat-gemma3-nightly.yaml: the fine-tune of maxtext_sft.pipeline, nightly."""
+"""Declared job include/jobs/ultrachat-gemma3-nightly.yaml: the fine-tune of maxtext_sft.builders.pipeline, nightly."""
 
 # The Airflow modules a parse needs, named so that the DAG processor imports them once, before it
 # forks each parse (README, Architecture: cheap to parse): the operators' clients, @task and
@@ -12,6 +12,6 @@ import airflow.providers.standard.sensors.external_task  # noqa: F401
 import airflow.sdk.definitions.decorators  # noqa: F401
 import airflow.timetables.trigger  # noqa: F401 - the schedule's timetable, serialized
 from airflow.sdk import DAG
-from maxtext_sft.jobs import declared_job_dag
+from maxtext_sft.builders.jobs import declared_job_dag
 
 dag: DAG = declared_job_dag("ultrachat-gemma3-nightly.yaml")

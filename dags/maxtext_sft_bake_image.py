@@ -19,7 +19,7 @@ The venv is in WORK_DIR/maxtext_venv under the home of the SSH connection's user
 by default). The image keeps that home for that user name only: runs must log in with the same
 SSH login and use the same work_dir (the image's labels maxtext-vm-user and maxtext-work-dir say
 which); a run as another user gets a fresh home and installs again. An absolute work_dir is
-refused at planning time. The task graph is in plugins/maxtext_sft/bake_pipeline.py.
+refused at planning time. The task graph is in plugins/maxtext_sft/builders/bake_pipeline.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ from __future__ import annotations
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401
 import airflow.providers.google.cloud.operators.compute  # noqa: F401
 from airflow.sdk import DAG  # also what Airflow's safe-mode scan looks for in a DAG file
-from maxtext_sft.bake_pipeline import bake_image_dag
+from maxtext_sft.builders.bake_pipeline import bake_image_dag
 
 dag: DAG = bake_image_dag("maxtext_sft_bake_image", doc_md=__doc__)

@@ -1,6 +1,6 @@
 """Janitor: delete MaxText SFT VMs whose DAG run is over, or whose lifetime has passed.
 
-A backstop for the pipeline's own teardown (see plugins/maxtext_sft/janitor.py, which is also a
+A backstop for the pipeline's own teardown (see plugins/maxtext_sft/tasks/janitor.py, which is also a
 command for cron or Cloud Scheduler while Airflow is down). Only instances labelled
 `managed-by=airflow-maxtext-sft` are ever looked at; every deletion is logged with its reason,
 and told to the owners of a declared job (its `notify` connection) whose VM it was.
@@ -14,10 +14,10 @@ from datetime import timedelta
 import airflow.providers.google.cloud.hooks.compute  # noqa: F401 - the DAG processor imports these once,
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401 - before it forks each parse
 from airflow.sdk import DAG, Param, conf, task
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.janitor import UNKNOWN, sweep
-from maxtext_sft.jobs import notify_targets
-from maxtext_sft.notifier import OwnersNotifier
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.tasks.janitor import UNKNOWN, sweep
+from maxtext_sft.builders.jobs import notify_targets
+from maxtext_sft.ui.notifier import OwnersNotifier
 
 log = logging.getLogger(__name__)
 GCP_CONN_ID = "google_cloud_default"

@@ -10,7 +10,7 @@ VM's service account writes to output_location; the VM reaches the Hub and the t
 gated base model and the dataset revision; the same MaxText version installs and converts,
 trains and exports; publishing to hub_repo_id works (use a private repo); nothing is left. The
 summary also prints the VM-hours and their cost at vm_hourly_price_usd. Trigger it with the run
-conf you would give `maxtext_sft`; the task graph is in plugins/maxtext_sft/pipeline.py.
+conf you would give `maxtext_sft`; the task graph is in plugins/maxtext_sft/builders/pipeline.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import airflow.providers.standard.operators.trigger_dagrun  # noqa: F401
 import airflow.providers.standard.sensors.external_task  # noqa: F401
 import airflow.sdk.definitions.decorators  # noqa: F401
 from airflow.sdk import DAG  # also what Airflow's safe-mode scan looks for in a DAG file
-from maxtext_sft.params import pipeline_params
-from maxtext_sft.pipeline import fine_tune_dag
+from maxtext_sft.run.dag_params import pipeline_params
+from maxtext_sft.builders.pipeline import fine_tune_dag
 
 dag: DAG = fine_tune_dag(
     "maxtext_sft_rehearsal",

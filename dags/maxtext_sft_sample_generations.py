@@ -1,6 +1,6 @@
 """Downstream of every fine-tune: load the new model and generate a few lines from fixed prompts.
 
-Scheduled on the tuned-model Asset (maxtext_sft.lineage.TUNED_MODEL), so it starts when any
+Scheduled on the tuned-model Asset (maxtext_sft.results.lineage.TUNED_MODEL), so it starts when any
 pipeline DAG (manual or declared job) has produced a model. Each triggering event names the
 model's location, base model, dataset revision, steps and final loss. An example of where
 evaluation or deployment plugs in; the generation runs in `[maxtext_sft] generation_python`.
@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401 - the DAG processor imports it once, before it forks each parse
 from airflow.sdk import DAG, Param, task
-from maxtext_sft.lineage import TUNED_MODEL
-from maxtext_sft.samples import sample_generations
+from maxtext_sft.results.lineage import TUNED_MODEL
+from maxtext_sft.tasks.samples import sample_generations
 
 GCP_CONN_ID = "google_cloud_default"  # reads models from gs:// (extra storage_api_endpoint: a private endpoint)
 

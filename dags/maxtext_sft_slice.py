@@ -1,7 +1,7 @@
 """Supervised fine-tuning with MaxText on a multi-host TPU slice (e.g. v6e-16: 4 hosts of
 ct6e-standard-4t), triggered by hand; the teardown deletes the slice whatever happens.
 
-The same steps as maxtext_sft (plugins/maxtext_sft/pipeline.py), on a managed instance group
+The same steps as maxtext_sft (plugins/maxtext_sft/builders/pipeline.py), on a managed instance group
 under a workload policy instead of one VM: each step runs on every host or on host 0, and the
 checkpoints go to the output location, which a slice requires. README, "Bigger models".
 """
@@ -17,8 +17,8 @@ import airflow.providers.standard.operators.trigger_dagrun  # noqa: F401
 import airflow.providers.standard.sensors.external_task  # noqa: F401
 import airflow.sdk.definitions.decorators  # noqa: F401
 from airflow.sdk import DAG  # also what Airflow's safe-mode scan looks for in a DAG file
-from maxtext_sft.params import pipeline_params
-from maxtext_sft.pipeline import fine_tune_dag
+from maxtext_sft.run.dag_params import pipeline_params
+from maxtext_sft.builders.pipeline import fine_tune_dag
 
 dag: DAG = fine_tune_dag(
     "maxtext_sft_slice",

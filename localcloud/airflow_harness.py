@@ -53,7 +53,7 @@ HOME_MARK = "LOCALCLOUD_AIRFLOW_HOME"
 # files name, and the task runner itself. See _component_env.
 TASK_MODULES = (
     "airflow.sdk.execution_time.task_runner",
-    "maxtext_sft.pipeline",
+    "maxtext_sft.builders.pipeline",
     "airflow.providers.ssh.hooks.ssh",
     "airflow.providers.standard.sensors.external_task",
 )

@@ -1,9 +1,9 @@
 """Airflow plugin from the plugins folder: a fine-tune run's note says how it ended
-(maxtext_sft.airflow_plugins), unless the installed distribution registers it by its entry point."""
+(maxtext_sft.ui.airflow_plugins), unless the installed distribution registers it by its entry point."""
 
 from __future__ import annotations
 
-from maxtext_sft.airflow_plugins import registered_by_entry_point
+from maxtext_sft.ui.airflow_plugins import registered_by_entry_point
 
 if not registered_by_entry_point():
-    from maxtext_sft.airflow_plugins import RunNotesPlugin  # noqa: F401 - found by Airflow's plugin loader
+    from maxtext_sft.ui.airflow_plugins import RunNotesPlugin  # noqa: F401 - found by Airflow's plugin loader

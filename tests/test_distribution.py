@@ -42,21 +42,21 @@ def test_it_declares_ranges_and_registers_its_plugins_by_entry_point(wheel):
     [points] = [name for name in archive.namelist() if name.endswith(".dist-info/entry_points.txt")]
     text = archive.read(points).decode()
     assert "[airflow.plugins]" in text
-    assert "maxtext_sft = maxtext_sft.airflow_plugins:MaxTextSftPlugin" in text
-    assert "maxtext_sft_run_notes = maxtext_sft.airflow_plugins:RunNotesPlugin" in text
+    assert "maxtext_sft = maxtext_sft.ui.airflow_plugins:MaxTextSftPlugin" in text
+    assert "maxtext_sft_run_notes = maxtext_sft.ui.airflow_plugins:RunNotesPlugin" in text
 
 
 PROBE = """
 import json, sys
 from airflow import plugins_manager
-import maxtext_sft, maxtext_sft.paths, maxtext_sft.triggers.capacity, maxtext_sft.vm_steps
+import maxtext_sft, maxtext_sft.run.paths, maxtext_sft.cloud.capacity, maxtext_sft.vm.steps
 info = plugins_manager.get_plugin_info()
 print(json.dumps({
     "plugins": sorted((p["name"], str(p.get("source"))) for p in info),
     "errors": plugins_manager.get_import_errors(),
     "package": maxtext_sft.__file__,
-    "include": str(maxtext_sft.paths.include_dir()),
-    "scripts": sorted(p.name for p in maxtext_sft.vm_steps.vm_scripts_dir().iterdir()),
+    "include": str(maxtext_sft.run.paths.include_dir()),
+    "scripts": sorted(p.name for p in maxtext_sft.vm.steps.vm_scripts_dir().iterdir()),
 }))
 """
 

@@ -40,10 +40,10 @@ def test_the_package_and_its_plugins_come_from_the_installed_wheel():
 def test_the_run_note_listener_is_registered_from_the_installed_wheel():
     from airflow.listeners.listener import get_listener_manager
 
-    import maxtext_sft.run_notes
+    import maxtext_sft.ui.run_notes
 
-    assert "site-packages" in Path(maxtext_sft.run_notes.__file__).parts
-    assert maxtext_sft.run_notes in get_listener_manager().pm.get_plugins()
+    assert "site-packages" in Path(maxtext_sft.ui.run_notes.__file__).parts
+    assert maxtext_sft.ui.run_notes in get_listener_manager().pm.get_plugins()
 
 
 def test_the_floor_meets_every_requirement_the_wheel_declares():

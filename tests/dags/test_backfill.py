@@ -15,7 +15,7 @@ import yaml
 from bench.run import compute_operations
 from localcloud.connections import LOCAL_HUB_USER, LOCAL_OUTPUTS_CONF, LOCAL_PROJECT, LOCAL_RUN_CONF
 from localcloud.webhook import WebhookReceiver
-from maxtext_sft.hooks.storage import StorageEndpointHook
+from maxtext_sft.cloud.storage import StorageEndpointHook
 from tests.dags.conftest import wait_for_run_end, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ CAPACITY = 2
 # Three runs on a reservation of two: one more than it holds is enough to make a run wait (a
 # fourth run added ~a quarter to the test's CPU, every task a process, and proved nothing more).
 DAYS = [datetime(2026, 11, day, tzinfo=timezone.utc) for day in (1, 2, 3)]
-LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("team-nightly.yaml")\n'
+LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.builders.jobs import declared_job_dag\ndag: DAG = declared_job_dag("team-nightly.yaml")\n'
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from maxtext_sft.jobs import JobConfigError, jobs_dir, load_job
-from maxtext_sft.notifier import OwnersNotifier
+from maxtext_sft.builders.jobs import JobConfigError, jobs_dir, load_job
+from maxtext_sft.ui.notifier import OwnersNotifier
 from tests.conftest import REPO
 
-LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
+LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.builders.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
 GOOD = {
     "schedule": "30 2 * * 1",
     "start_date": "2026-11-02",
@@ -133,7 +133,7 @@ def test_a_broken_job_is_one_import_error_naming_file_and_field_and_hides_no_oth
 
 
 def test_a_job_that_names_a_slice_trains_on_it_and_must_name_an_output_location(tmp_path, monkeypatch):
-    from maxtext_sft.jobs import declared_job_dag
+    from maxtext_sft.builders.jobs import declared_job_dag
 
     monkeypatch.setenv("MAXTEXT_SFT_JOBS_DIR", str(tmp_path))
     sliced = {**GOOD, "params": {**GOOD["params"], "tpu_slice": "v6e-32", "output_location": "gs://team/sft"}}

@@ -53,7 +53,7 @@ UNREACHABLE_CONF = {"unreachable_timeout_seconds": 10, "ssh_connect_timeout_seco
 
 
 MATRIX = [
-    # Instance-creation errors, one row per class of maxtext_sft.cloud_errors, each in the shape and
+    # Instance-creation errors, one row per class of maxtext_sft.cloud.errors, each in the shape and
     # place Compute Engine reports it (the emulator's INSTANCE_ERRORS presets name their sources).
     Fault(
         "reservation full (on the operation), no wait allowed",

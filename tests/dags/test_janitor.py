@@ -11,10 +11,10 @@ import time
 import pytest
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.instances import EXPIRY_LABEL
-from maxtext_sft.janitor import UNKNOWN, condemned
-from maxtext_sft.run_names import PACKAGE_LABEL
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.cloud.instances import EXPIRY_LABEL
+from maxtext_sft.tasks.janitor import UNKNOWN, condemned
+from maxtext_sft.run.names import PACKAGE_LABEL
 from tests.conftest import REPO
 from tests.plugins.test_spec import make_spec
 
@@ -90,7 +90,7 @@ def leftover_vms(local_cloud, pipeline_connections):
 def test_the_command_deletes_expired_vms_without_airflow(leftover_vms, local_cloud, pipeline_connections):
     env = {**os.environ, "PYTHONPATH": str(REPO / "plugins")}
     result = subprocess.run(
-        [sys.executable, "-m", "maxtext_sft.janitor", "--project", LOCAL_PROJECT],
+        [sys.executable, "-m", "maxtext_sft.tasks.janitor", "--project", LOCAL_PROJECT],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -164,7 +164,7 @@ def test_the_command_deletes_an_expired_slices_group_template_and_policy(local_c
 
     env = {**os.environ, "PYTHONPATH": str(REPO / "plugins")}
     result = subprocess.run(
-        [sys.executable, "-m", "maxtext_sft.janitor", "--project", LOCAL_PROJECT],
+        [sys.executable, "-m", "maxtext_sft.tasks.janitor", "--project", LOCAL_PROJECT],
         capture_output=True, text=True, env=env, timeout=180,
     )
     assert result.returncode == 0, result.stderr

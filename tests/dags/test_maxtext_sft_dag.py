@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from maxtext_sft.run_params import defaults
+from maxtext_sft.run.params import defaults
 from tests.conftest import REPO
 
 TASK_ORDER = [
@@ -167,7 +167,7 @@ def test_the_params_are_serialized_once_held_by_the_dag_not_copied_into_each_tas
 
 
 def test_the_summary_reads_the_tasks_the_dag_made_and_lists_phases_in_its_order(dag):
-    from maxtext_sft.summarize import phase_order
+    from maxtext_sft.tasks.summarize import phase_order
 
     summarize = dag.get_task("summarize_run")
     parts = summarize.op_kwargs["tasks"]
@@ -183,7 +183,7 @@ def test_the_summary_reads_the_tasks_the_dag_made_and_lists_phases_in_its_order(
 
 
 def test_the_graph_groups_the_tasks_by_the_runbooks_phases_keeping_their_ids(dag):
-    from maxtext_sft.pipeline import PHASES
+    from maxtext_sft.builders.pipeline import PHASES
 
     groups = {name: group for name, group in dag.task_group.children.items()}
     assert list(groups) == list(PHASES)  # nothing outside a phase, phases in the runbook's order

@@ -18,8 +18,8 @@ from huggingface_hub import HfApi
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_USER
-from maxtext_sft.outputs import published_eval_loss
-from maxtext_sft.spec import RunSpec
+from maxtext_sft.results.outputs import published_eval_loss
+from maxtext_sft.run.spec import RunSpec
 from tests.conftest import local_bucket
 from tests.dags.conftest import parse_pipeline_dag
 from tests.plugins.test_loss_curve import png_size

@@ -56,7 +56,7 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud, back
             wait_until(lambda: time.time() > expires + 1, lifetime + 10, "the VM's expiry to pass")
             assert len(local_cloud.vms()) == 1  # nothing else removes it: no scheduler, no cloud lifetime
             result = subprocess.run(
-                [sys.executable, "-m", "maxtext_sft.janitor", "--project", LOCAL_PROJECT],
+                [sys.executable, "-m", "maxtext_sft.tasks.janitor", "--project", LOCAL_PROJECT],
                 capture_output=True, text=True, timeout=120,
                 env={**os.environ, "PYTHONPATH": str(REPO / "plugins")},
             )
@@ -70,7 +70,7 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud, back
 
 def _instance_label(name: str, key: str) -> str:
     from localcloud.connections import LOCAL_PROJECT
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     instance = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default").get_instance(
         resource_id=name, zone="us-east5-b", project_id=LOCAL_PROJECT
@@ -241,8 +241,8 @@ def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_work
     (Composer's mounted data/ folder, say)."""
     from bench.recovery_slots import AirflowApi, measure, report
     from localcloud.connections import LOCAL_PROJECT, LOCAL_RESERVATION_COUNT, LOCAL_RUN_CONF, LOCAL_ZONE
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-    from maxtext_sft.spec import RunSpec
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+    from maxtext_sft.run.spec import RunSpec
     from tests.dags.test_fault_matrix import training_logged
 
     airflow = start_airflow(
@@ -329,8 +329,8 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     committed in storage (its final loss and loss curve from the step lines the training copied
     there), the export makes the VM again, and the run succeeds with no VM left."""
     from localcloud.connections import LOCAL_RUN_CONF
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-    from maxtext_sft.spec import RunSpec
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+    from maxtext_sft.run.spec import RunSpec
 
     fault_tally.fault_injected()
     bucket = "scheduler-autostop"

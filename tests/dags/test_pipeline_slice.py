@@ -23,7 +23,7 @@ RESERVATION = "local-slice-reservation"
 HOSTS = 4
 GCLOUD_SLICE = Path(__file__).resolve().parents[1] / "fixtures" / "gcloud-slice-requests.json"
 
-# Fields in which the run's bodies differ from gcloud's, and why (slice_body.py, compute_body.py).
+# Fields in which the run's bodies differ from gcloud's, and why (run/slice_body.py, run/compute_body.py).
 EXPLAINED_DIFFERENCES = {
     "policy": {"name": "named after the run's group"},
     "template": {
@@ -104,7 +104,7 @@ def _leftovers(names: dict) -> list[str]:
     """What of the run's slice still exists, read through the Compute API."""
     from google.api_core.exceptions import NotFound
 
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     hook = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
     where = {"project_id": names["project_id"]}
@@ -175,7 +175,7 @@ def test_a_v6e_16_run_trains_on_every_host_and_leaves_nothing(shared_airflow, lo
     assert vm["existed"] and vm["deleted"] and vm["hourly_price_usd"] == 4 * 10.0
     # The final checkpoint holds every host's part (each host's JAX process wrote its own), and
     # was committed after them.
-    from maxtext_sft.hooks.storage import StorageEndpointHook
+    from maxtext_sft.cloud.storage import StorageEndpointHook
 
     files = StorageEndpointHook(gcp_conn_id="google_cloud_default").names_under(training["final_checkpoint"].rstrip("/"))
     parts = {name.split("/")[0] for name in files if name.startswith("ocdbt.process_")}

@@ -61,7 +61,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def reservations(local_cloud, pipeline_connections):
     """A reservation whose one machine is taken, and one of another machine type."""
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     where = {"zone": ZONE, "project": LOCAL_PROJECT}
     local_cloud.add_reservation("preflight-full", 1, **where)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from localcloud.connections import LOCAL_BUCKET, LOCAL_HUB_MODEL, LOCAL_OUTPUTS_CONF, LOCAL_PROJECT, new_hf_token
-from maxtext_sft.rehearsal import FAILED, NOT_RUN, PASSED
+from maxtext_sft.results.rehearsal import FAILED, NOT_RUN, PASSED
 from tests.dags import fault_tally
 
 pytestmark = [pytest.mark.e2e, pytest.mark.spread]
@@ -44,7 +44,7 @@ REFUSALS = [
 
 
 def test_a_rehearsal_announces_no_model_and_publishes_on_a_branch_of_its_own():
-    from maxtext_sft.lineage import TUNED_MODEL
+    from maxtext_sft.results.lineage import TUNED_MODEL
     from tests.dags.conftest import parse_pipeline_dag
 
     rehearsal, real = parse_pipeline_dag(DAG_ID), parse_pipeline_dag("maxtext_sft")

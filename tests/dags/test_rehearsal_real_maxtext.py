@@ -9,7 +9,7 @@ import pytest
 
 from localcloud.connections import LOCAL_REHEARSAL_CONF, REHEARSAL_IMAGE_KEY
 from localcloud.images import build_fast_image, build_real_image
-from maxtext_sft.rehearsal import CHECKS, PASSED
+from maxtext_sft.results.rehearsal import CHECKS, PASSED
 from tests.dags.conftest import REAL_MAXTEXT_DAG_TEST_CONF
 from tests.plugins.test_rehearsal import differences
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 USER, PASSWORD = "admin", "run-notes-password"
 SLACK_TOKEN = "T0NOTES/B0NOTES/run-notes-webhook-secret"
-LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
+LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.builders.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
 JOBS = {  # dag_id -> its notify block
     "team_slack_job": {"conn_id": "team_slack"},
     "team_mail_job": {"conn_id": "team_mail", "to": ["ml-team@example.com"]},

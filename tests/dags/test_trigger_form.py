@@ -29,8 +29,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from localcloud.airflow_harness import AirflowError
 from localcloud.connections import LOCAL_RUN_CONF
-from maxtext_sft.params import pipeline_params
-from maxtext_sft.pipeline import PHASES
+from maxtext_sft.run.dag_params import pipeline_params
+from maxtext_sft.builders.pipeline import PHASES
 from tests.conftest import REPO
 from tests.dags.conftest import wait_for_run_end, wait_until
 

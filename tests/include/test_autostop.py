@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_sft.vm_steps import vm_scripts_dir
+from maxtext_sft.vm.steps import vm_scripts_dir
 from tests.conftest import poll
 
 SCRIPT = vm_scripts_dir() / "autostop.sh"

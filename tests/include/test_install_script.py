@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_sft.vm_steps import vm_scripts_dir
+from maxtext_sft.vm.steps import vm_scripts_dir
 
 RECORD = 'printf "%s\\n" "$(basename "$0")${UV_TORCH_BACKEND:+ [UV_TORCH_BACKEND=$UV_TORCH_BACKEND]} $*" >>"$RECORD_LOG"'
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from localcloud import images
-from maxtext_sft.vm_steps import vm_scripts_dir
+from maxtext_sft.vm.steps import vm_scripts_dir
 from tests.conftest import REPO
 
 REHEARSAL_SOURCES = REPO / "include" / "rehearsal"

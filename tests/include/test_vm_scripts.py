@@ -25,11 +25,11 @@ from google.cloud import storage
 
 from localcloud import images
 from localcloud.cloud import storage_env
-from maxtext_sft.loss_curve import parse_loss_history
-from maxtext_sft.outputs import check_export_folder
-from maxtext_sft.spec import build_run_spec
-from maxtext_sft.training_metrics import parse_metrics
-from maxtext_sft.vm_steps import STEPS, vm_scripts_dir
+from maxtext_sft.results.loss_curve import parse_loss_history
+from maxtext_sft.results.outputs import check_export_folder
+from maxtext_sft.run.spec import build_run_spec
+from maxtext_sft.results.training_metrics import parse_metrics
+from maxtext_sft.vm.steps import STEPS, vm_scripts_dir
 from tests.conftest import poll
 from tests.plugins.test_outputs import SHARDS, write_export
 

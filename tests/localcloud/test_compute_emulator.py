@@ -425,7 +425,7 @@ def test_gcloud_vm_without_external_ip_is_reached_at_its_internal_ip(
     from airflow.exceptions import AirflowException
 
     from localcloud.connections import airflow_connection_env, generate_ssh_private_key
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     env = {"CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": compute_cloud.compute_endpoint}
     key = paramiko.ECDSAKey.generate()

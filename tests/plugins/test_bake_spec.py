@@ -6,8 +6,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from maxtext_sft.bake import baked_image, build_bake_spec
-from maxtext_sft.run_params import SpecError
+from maxtext_sft.run.bake import baked_image, build_bake_spec
+from maxtext_sft.run.params import SpecError
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx0cmFpbmVkLWtleS1ub3QtcmVhbC1idXQtdmFsaWQ"
 

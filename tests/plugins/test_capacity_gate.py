@@ -22,9 +22,9 @@ from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_ZONE
 from tests.dags.conftest import airflow_on_fresh_database
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.outcome import FAILURE_KEY
-from maxtext_sft.spec import RunSpec, build_run_spec
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.tasks.outcome import FAILURE_KEY
+from maxtext_sft.run.spec import RunSpec, build_run_spec
 
 pytestmark = pytest.mark.e2e
 DAG_ID = "capacity_gate_test"
@@ -269,7 +269,7 @@ def test_a_retry_adopts_its_vm_without_asking_the_reservation(gate_dag, names, l
 
 def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud, compute):
     """A full reservation fails the preflight unless create_vm's gate will wait for a machine."""
-    from maxtext_sft.preflight import PreflightFailed, check_reservation
+    from maxtext_sft.tasks.preflight import PreflightFailed, check_reservation
 
     reservation, spec_for = names
     add_reservation(local_cloud, reservation)

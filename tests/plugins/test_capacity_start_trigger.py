@@ -15,8 +15,8 @@ import pytest
 
 from localcloud.compute import testing
 from localcloud.connections import LOCAL_PROJECT, LOCAL_ZONE
-from maxtext_sft.instances import EXPIRY_LABEL
-from maxtext_sft.triggers.capacity import CreateVmStartTrigger
+from maxtext_sft.cloud.instances import EXPIRY_LABEL
+from maxtext_sft.cloud.capacity import CreateVmStartTrigger
 
 pytestmark = pytest.mark.e2e
 WHERE = {"project": LOCAL_PROJECT, "zone": LOCAL_ZONE}
@@ -180,7 +180,7 @@ def test_serialize_round_trips_through_airflow_serde():
     trigger = start_trigger("vm-1", "r-1", gcp_conn_id="gcp", impersonation_chain=["a@p-1.iam.gserviceaccount.com"])
     classpath, kwargs = trigger.serialize()
 
-    assert classpath == "maxtext_sft.triggers.capacity.CreateVmStartTrigger"
+    assert classpath == "maxtext_sft.cloud.capacity.CreateVmStartTrigger"
     rebuilt = import_string(classpath)(**deserialize(serialize(kwargs)))
     assert rebuilt.serialize() == (classpath, kwargs)
 
@@ -189,7 +189,7 @@ def test_create_vm_starts_on_the_triggerer_only_with_xcom_values():
     """Every field the trigger needs is plan_run's XCom, as a template the triggerer renders (each
     a template field of the task); values written into the DAG, or no reservation, start on the worker."""
     from airflow.sdk import DAG, task
-    from maxtext_sft.operators.compute import CreateVmOperator
+    from maxtext_sft.tasks.compute import CreateVmOperator
 
     with DAG("create_vm_start", schedule=None):
         @task(multiple_outputs=True)
@@ -205,7 +205,7 @@ def test_create_vm_starts_on_the_triggerer_only_with_xcom_values():
                                    **{**fields, "zone": "us-east5-b"})
     assert started.start_from_trigger is True
     args = started.start_trigger_args
-    assert args.trigger_cls == "maxtext_sft.triggers.capacity.CreateVmStartTrigger"
+    assert args.trigger_cls == "maxtext_sft.cloud.capacity.CreateVmStartTrigger"
     assert args.next_method == "resume_after_start" and args.timeout is None
     assert args.trigger_kwargs["zone"] == "{{ ti.xcom_pull(task_ids='plan_run', key='zone', map_indexes=-1) | tojson }}"
     rendered = set(CreateVmStartTrigger.RENDERED)

@@ -14,7 +14,7 @@ import pytest
 
 from localcloud.compute import testing
 from localcloud.connections import LOCAL_PROJECT, LOCAL_ZONE
-from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
+from maxtext_sft.cloud.capacity import ReservationCapacityTrigger
 
 pytestmark = pytest.mark.e2e
 WHERE = {"project": LOCAL_PROJECT, "zone": LOCAL_ZONE}

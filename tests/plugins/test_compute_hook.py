@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook, compute_discovery_document
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, compute_discovery_document
 
 
 def google_connection(monkeypatch, **extra) -> None:

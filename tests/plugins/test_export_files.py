@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from airflow.sdk.exceptions import AirflowException
-from maxtext_sft.export_files import export_folder
-from maxtext_sft.hooks.storage import StorageEndpointHook
+from maxtext_sft.cloud.export_files import export_folder
+from maxtext_sft.cloud.storage import StorageEndpointHook
 from tests.conftest import local_bucket
 from tests.plugins.test_outputs import SHARDS, write_export
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from maxtext_sft import task_links
-from maxtext_sft.fine_tunes import Link, fine_tune_row, loss_plot_series
-from maxtext_sft.task_links import HubCommitLink, RunFolderConsoleLink, VmConsoleLink
+from maxtext_sft.ui import task_links
+from maxtext_sft.results.fine_tunes import Link, fine_tune_row, loss_plot_series
+from maxtext_sft.ui.task_links import HubCommitLink, RunFolderConsoleLink, VmConsoleLink
 
 WHEN = datetime(2026, 12, 3, 4, 5, tzinfo=timezone.utc)
 SPEC = {"dataset_name": "HuggingFaceH4/ultrachat_200k", "dataset_revision": "a" * 40, "steps": 20, "hub_repo_id": "t/m"}
@@ -124,8 +124,8 @@ def test_the_hub_link_is_the_commit_publish_to_hub_made(stored_return_value, pub
 
 
 def test_the_operators_carry_their_links():
-    from maxtext_sft.operators.compute import CreateVmOperator
-    from maxtext_sft.operators.outputs import CollectOutputsOperator, PublishToHubOperator
+    from maxtext_sft.tasks.compute import CreateVmOperator
+    from maxtext_sft.tasks.outputs import CollectOutputsOperator, PublishToHubOperator
 
     assert [type(link) for link in CreateVmOperator.operator_extra_links] == [VmConsoleLink]
     assert [type(link) for link in CollectOutputsOperator.operator_extra_links] == [RunFolderConsoleLink]

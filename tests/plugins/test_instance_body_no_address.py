@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from tests.gcloud import gcloud_runner
 from tests.plugins.test_spec import make_spec
 

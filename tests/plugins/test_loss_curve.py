@@ -7,7 +7,7 @@ import io
 
 from PIL import Image
 
-from maxtext_sft.loss_curve import downsample, final_loss_text, parse_loss_history, render_loss_curve
+from maxtext_sft.results.loss_curve import downsample, final_loss_text, parse_loss_history, render_loss_curve
 
 # matplotlib's default colour cycle: tab:blue and tab:orange, as the chart draws train and eval.
 TRAIN_BLUE, EVAL_ORANGE = (31, 119, 180), (255, 127, 14)

@@ -1,49 +1,24 @@
-"""The package's modules import downward only (README, Architecture: which module owns what).
+"""The package's rooms import downward only, and the picture of them in the docs is the code's.
 
-Each module of plugins/maxtext_sft belongs to one layer; it may import from the layers below
-its own and, except for the tasks' layer, from its own. The tasks (operators, sensors and the
-functions the DAG builders make tasks of) never import one another: what two of them share
-lives a layer down. Imports inside functions count too.
+plugins/maxtext_sft is cut into subpackages ("rooms") by concern, lowest first in ROOMS. A module
+may import from its own room and the rooms below it; a task (tasks/) imports no other task, only
+tasks.base: what two tasks share lives a room down. Imports inside functions count too.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / "plugins" / "maxtext_sft"
+PICTURE_PAGE = REPO / "docs" / "modules.md"
 
-# Lowest first. A new module gets a row here, and a line in the README's picture.
-LAYERS: list[tuple[str, set[str]]] = [
-    ("the run's spec", {
-        "catalog", "paths", "run_params", "params", "run_names", "rehearsal_kit", "maxtext_args", "compute_body",
-        "spec", "bake", "slice_body",
-    }),
-    ("pure helpers", {
-        "cloud_errors", "sizing", "snapshots", "loss_curve", "training_metrics", "outputs", "lineage", "rehearsal",
-        "run_summary", "run_story", "fine_tunes",
-    }),
-    ("hooks", {
-        "hooks.endpoints", "hooks.compute", "hooks.storage", "hooks.hub", "hooks.os_login", "hooks.vm_ssh",
-        "hooks.vm_ssh_async", "hooks.vm_ssh_common",
-    }),
-    ("the VM and the cloud", {
-        "instances", "vm_steps", "vm_access", "vm_remake", "vm_recovery", "export_files", "triggers.capacity", "run_task",
-        "task_links", "triggers.slice", "triggers.vm_ssh", "triggers.training", "triggers.ssh_ready",
-        "slice_hosts", "trigger_start",
-    }),
-    ("tasks", {
-        "operators.compute", "operators.slice", "operators.vm_script", "operators.outputs", "sensors.vm", "plan", "preflight",
-        "summarize", "outcome", "phase_timing", "samples", "janitor", "notifier",
-    }),
-    ("DAG builders", {"dag_settings", "pipeline", "bake_pipeline", "jobs"}),
-    # The logic of the Airflow plugins (plugins/*_plugin.py): the run-note listener the scheduler
-    # calls, and the Fine-tunes page the API server serves.
-    ("Airflow plugins", {"run_notes", "fine_tunes_page", "airflow_plugins"}),
-]
-NO_SIDEWAYS = {"tasks"}
+# Lowest first. A new room gets a row here, a docstring in its __init__.py, and a block in the picture.
+ROOMS = ["run", "results", "ui", "cloud", "vm", "tasks", "builders"]
+SHARED_BY_TASKS = {"tasks.base"}
 
 
 def module_name(path: Path) -> str:
@@ -52,41 +27,66 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    """The maxtext_sft modules `path` imports, anywhere in it."""
+    """The maxtext_sft modules `path` imports, anywhere in it (`from maxtext_sft.room import mod`
+    counts as importing room.mod)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        found |= {name.removeprefix("maxtext_sft.") for name in names if name.startswith("maxtext_sft.")}
-    return found
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maxtext_sft"):
+            base = node.module.removeprefix("maxtext_sft").removeprefix(".")
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                found.add(candidate if (PACKAGE / (candidate.replace(".", "/") + ".py")).exists() else base)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.removeprefix("maxtext_sft.") for alias in node.names if alias.name.startswith("maxtext_sft.")}
+    return found - {""}
 
 
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
 
 
-def test_every_module_has_a_layer():
-    placed = set().union(*(members for _, members in LAYERS))
-    assert set(modules()) - {"hooks", "operators", "sensors", "triggers"} == placed
+def room_of(name: str) -> str:
+    return name.split(".")[0]
 
 
-def test_modules_import_only_from_lower_layers_and_tasks_never_from_each_other():
-    layer_of = {name: index for index, (_, members) in enumerate(LAYERS) for name in members}
+def test_every_module_is_in_a_room_and_every_room_says_what_it_owns():
+    assert {room_of(name) for name in modules()} == set(ROOMS)
+    assert not [p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"], "a module outside every room"
+    for room in ROOMS:
+        assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
+
+
+def test_modules_import_only_from_their_room_or_below_and_tasks_never_from_each_other():
     wrong = []
     for name, path in modules().items():
-        if name not in layer_of:
-            continue  # a package's empty __init__
+        mine = ROOMS.index(room_of(name))
         for imported in sorted(imports_of(path)):
-            mine, theirs = layer_of[name], layer_of[imported]
-            sideways = mine == theirs and LAYERS[mine][0] in NO_SIDEWAYS
+            theirs = ROOMS.index(room_of(imported))
+            sideways = room_of(name) == "tasks" == room_of(imported) and imported not in SHARED_BY_TASKS | {name}
             if theirs > mine or sideways:
-                wrong.append(f"{name} ({LAYERS[mine][0]}) imports {imported} ({LAYERS[theirs][0]})")
+                wrong.append(f"{name} imports {imported}")
     assert wrong == []
 
 
-def test_the_check_sees_a_sideways_import(tmp_path):
-    """The rule above is not vacuous: an operator importing a sensor's module would be caught."""
+def test_the_check_sees_an_upward_and_a_sideways_import(tmp_path):
+    """The rule above is not vacuous: both forms of import are read."""
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from maxtext_sft.sensors.vm import VmSshReadySensor\n")
-    assert imports_of(probe) == {"sensors.vm"}
+    probe.write_text("def f():\n    from maxtext_sft.tasks.vm_sensors import VmSshReadySensor\n"
+                     "from maxtext_sft.tasks import plan\n")
+    assert imports_of(probe) == {"tasks.vm_sensors", "tasks.plan"}
+
+
+def picture() -> str:
+    """The fenced block under the modules page's `## The modules` heading."""
+    text = PICTURE_PAGE.read_text()
+    section = text.split("\n## The modules\n", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_module_picture_names_every_module_in_its_room_lowest_last():
+    block = picture()
+    named = {f"{room}.{module}" for room, module in re.findall(r"\b([a-z_]+)/([a-z_]+)\.py", block) if room in ROOMS}
+    assert named == {name for name in modules() if "." in name}
+    # Rooms appear top to bottom highest first, as the picture says imports go downward.
+    order = [room for room in re.findall(r"^([a-z_]+)/ ", block, re.M) if room in ROOMS]
+    assert order == list(reversed(ROOMS))

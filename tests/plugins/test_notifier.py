@@ -10,8 +10,8 @@ import pytest
 
 from localcloud.smtp import MailReceiver, body_text
 from localcloud.webhook import WebhookReceiver
-from maxtext_sft import notifier as notifier_module
-from maxtext_sft.notifier import OwnersNotifier
+from maxtext_sft.ui import notifier as notifier_module
+from maxtext_sft.ui.notifier import OwnersNotifier
 
 SLACK_TOKEN = "T0LOCAL/B0LOCAL/not-a-real-secret-4242"
 DAG_ID, RUN_ID = "team_job", "scheduled__2026-11-02T00:00:00+00:00"

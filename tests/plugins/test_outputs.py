@@ -9,7 +9,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from maxtext_sft.outputs import (
+from maxtext_sft.results.outputs import (
     ExportLayoutError,
     FinalLossError,
     check_export_folder,
@@ -21,7 +21,7 @@ from maxtext_sft.outputs import (
     published_eval_loss,
     run_record,
 )
-from maxtext_sft.training_metrics import parse_metrics
+from maxtext_sft.results.training_metrics import parse_metrics
 from tests.plugins.test_spec import RUN_ID, make_spec
 
 

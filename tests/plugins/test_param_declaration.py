@@ -8,13 +8,13 @@ from datetime import datetime, timezone
 
 import pytest
 
-from maxtext_sft import run_params
-from maxtext_sft.bake import BAKE_PARAMS
-from maxtext_sft.jobs import JobConfigError, load_job
-from maxtext_sft.params import pipeline_params
-from maxtext_sft.pipeline import fine_tune_dag
-from maxtext_sft.run_params import MODEL, Declared, SpecError, form_schema
-from maxtext_sft.spec import RunSpec, build_run_spec
+from maxtext_sft.run import params as run_params
+from maxtext_sft.run.bake import BAKE_PARAMS
+from maxtext_sft.builders.jobs import JobConfigError, load_job
+from maxtext_sft.run.dag_params import pipeline_params
+from maxtext_sft.builders.pipeline import fine_tune_dag
+from maxtext_sft.run.params import MODEL, Declared, SpecError, form_schema
+from maxtext_sft.run.spec import RunSpec, build_run_spec
 from tests.dags.test_declared_jobs import GOOD, write_job
 
 WARMUP = Declared("warmup_steps", "integer", 0, "Steps over which the learning rate rises to its peak.", MODEL,

@@ -3,9 +3,9 @@ MAXTEXT_SFT_INCLUDE_DIR says (Composer's data/ folder)."""
 
 from __future__ import annotations
 
-from maxtext_sft.jobs import jobs_dir
-from maxtext_sft.paths import include_dir
-from maxtext_sft.vm_steps import script_files, vm_scripts_dir
+from maxtext_sft.builders.jobs import jobs_dir
+from maxtext_sft.run.paths import include_dir
+from maxtext_sft.vm.steps import script_files, vm_scripts_dir
 from tests.conftest import REPO
 
 

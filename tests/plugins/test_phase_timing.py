@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtext_sft.run_summary import PHASE_KEY
+from maxtext_sft.results.summary import PHASE_KEY
 from tests.conftest import local_bucket
 
 PROBE_DAGS = Path(__file__).parent / "summary_dag"

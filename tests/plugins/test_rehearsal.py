@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from maxtext_sft.compute_body import REHEARSAL_FIELDS
-from maxtext_sft.rehearsal import CHECKS, FAILED, NOT_RUN, PASSED, SKIPPED, rehearsal_checks
-from maxtext_sft.run_summary import FAILURE_KEY, render_checks
-from maxtext_sft.run_params import REHEARSAL_PARAMS, SpecError
-from maxtext_sft.spec import RunSpec, build_run_spec
+from maxtext_sft.run.compute_body import REHEARSAL_FIELDS
+from maxtext_sft.results.rehearsal import CHECKS, FAILED, NOT_RUN, PASSED, SKIPPED, rehearsal_checks
+from maxtext_sft.results.summary import FAILURE_KEY, render_checks
+from maxtext_sft.run.params import REHEARSAL_PARAMS, SpecError
+from maxtext_sft.run.spec import RunSpec, build_run_spec
 from tests.plugins.test_spec import RUN_ID, STARTED
 
 CONF = {

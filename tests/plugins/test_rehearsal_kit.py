@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from maxtext_sft.maxtext_args import OWNED_KEYS
-from maxtext_sft.rehearsal_kit import KIT_FOLDER, kit_path, toy_args, toy_args_file
+from maxtext_sft.run.maxtext_args import OWNED_KEYS
+from maxtext_sft.run.rehearsal_kit import KIT_FOLDER, kit_path, toy_args, toy_args_file
 from tests.conftest import REPO
 
 STEPS = ("convert", "train", "export")

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
-from maxtext_sft import vm_steps
-from maxtext_sft.run_params import SpecError
-from maxtext_sft.spec import build_run_spec
+from maxtext_sft.vm import steps as vm_steps
+from maxtext_sft.run.params import SpecError
+from maxtext_sft.run.spec import build_run_spec
 
 pytestmark = pytest.mark.e2e
 SSH_CONN_ID = "maxtext_sft_vm_ssh"
@@ -79,8 +79,8 @@ FIELDS = [
 def probe(local_cloud, pipeline_connections):
     """A VM with probe scripts named like the step scripts, and one open SSH connection to it."""
     from airflow.providers.ssh.hooks.ssh import SSHHook
-    from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-    from maxtext_sft.hooks.vm_ssh import VmSSHHook
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+    from maxtext_sft.vm.ssh import VmSSHHook
 
     key = SSHHook(ssh_conn_id=SSH_CONN_ID, remote_host="unused").pkey
     spec = spec_for({}, run_id=f"manual__{time.time()}", public_key=f"{key.get_name()} {key.get_base64()}")

@@ -1,8 +1,8 @@
-"""What a finished run's note and notification say (maxtext_sft.run_story)."""
+"""What a finished run's note and notification say (maxtext_sft.results.story)."""
 
 from __future__ import annotations
 
-from maxtext_sft.run_story import failure_message, failure_note, run_url, short_error, success_note
+from maxtext_sft.results.story import failure_message, failure_note, run_url, short_error, success_note
 
 PREFLIGHT = (
     "AirflowFailException: Preflight failed, no VM was created:\n"

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from maxtext_sft.run_summary import SummaryTasks, build_summary, format_duration, recovery_rows, render_text, vm_usage
+from maxtext_sft.results.summary import SummaryTasks, build_summary, format_duration, recovery_rows, render_text, vm_usage
 
 T0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
 NOW = T0 + timedelta(hours=3)

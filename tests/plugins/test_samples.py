@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.samples import fetch_model
+from maxtext_sft.tasks.samples import fetch_model
 from tests.plugins.test_outputs import SHARDS, write_export
 
 
@@ -31,7 +31,7 @@ def test_a_model_missing_a_shard_is_refused_before_generating(tmp_path):
 
 def test_an_unset_generation_python_skips_saying_how_and_a_wrong_one_fails(monkeypatch, tmp_path):
     from airflow.sdk.exceptions import AirflowSkipException
-    from maxtext_sft.samples import generation_python
+    from maxtext_sft.tasks.samples import generation_python
 
     monkeypatch.delenv("AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON", raising=False)
     with pytest.raises(AirflowSkipException, match="generation_python is unset"):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from localcloud.connections import LOCAL_RUN_CONF
-from maxtext_sft.preflight import PreflightFailed, check_room
-from maxtext_sft.sizing import GB, MODEL_SHAPES, Gemma3Shape, RunSizes, prunable_steps, run_sizes, saved_steps
+from maxtext_sft.tasks.preflight import PreflightFailed, check_room
+from maxtext_sft.run.sizing import GB, MODEL_SHAPES, Gemma3Shape, RunSizes, prunable_steps, run_sizes, saved_steps
 from tests.plugins.test_spec import make_spec as spec_of
 
 
@@ -109,7 +109,7 @@ def test_local_run_conf_names_a_model_with_a_shape():
 
 def test_the_sample_dag_refuses_a_model_the_worker_cannot_load():
     from airflow.sdk.exceptions import AirflowFailException
-    from maxtext_sft.samples import available_memory_bytes, check_worker_can_load
+    from maxtext_sft.tasks.samples import available_memory_bytes, check_worker_can_load
 
     export = run_sizes("gemma3-4b").export  # a real 4B export, 7.8 GB
     with pytest.raises(AirflowFailException, match=r"loading it takes about 19\.4 GB of memory and 8\.0 GB is available"):

@@ -12,9 +12,9 @@ from google.api_core.exceptions import NotFound
 
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from localcloud.connections import LOCAL_PROJECT, LOCAL_ZONE
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.operators.slice import CreateSliceOperator
-from maxtext_sft.triggers.capacity import ReservationCapacityTrigger
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.tasks.slice import CreateSliceOperator
+from maxtext_sft.cloud.capacity import ReservationCapacityTrigger
 from tests.plugins.test_slice_spec import make_slice_spec
 from tests.plugins.test_spec import make_spec
 
@@ -68,7 +68,7 @@ def test_a_reservation_smaller_than_the_slice_fails_at_once(local_cloud, reserva
 
 def test_preflight_refuses_a_reservation_that_cannot_hold_every_host(local_cloud, reservation):
     """Before anything is paid for: the reservation must hold the slice's every host."""
-    from maxtext_sft.preflight import PreflightFailed, check_reservation
+    from maxtext_sft.tasks.preflight import PreflightFailed, check_reservation
 
     local_cloud.add_reservation(reservation, 3, "ct6e-standard-4t", zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     spec = make_slice_spec(project_id=LOCAL_PROJECT, reservation=reservation)

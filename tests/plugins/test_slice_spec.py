@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from maxtext_sft.catalog import TPU_SLICES
-from maxtext_sft.run_params import SpecError
-from maxtext_sft.spec import RunSpec, build_run_spec
-from maxtext_sft.triggers.slice import hosts_state
+from maxtext_sft.run.catalog import TPU_SLICES
+from maxtext_sft.run.params import SpecError
+from maxtext_sft.run.spec import RunSpec, build_run_spec
+from maxtext_sft.cloud.slice_group import hosts_state
 from tests.plugins.test_spec import RUN_ID, STARTED
 
 SLICE_CONF = {

@@ -12,10 +12,10 @@ import pytest
 
 from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout, TaskDeferred
 
-from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
-from maxtext_sft.sensors import vm as sensors
-from maxtext_sft.slice_hosts import NOT_RECOVERED
-from maxtext_sft.triggers.training import SliceTrainingStatusTrigger
+from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
+from maxtext_sft.tasks import vm_sensors as sensors
+from maxtext_sft.vm.slice_hosts import NOT_RECOVERED
+from maxtext_sft.vm.training_watch import SliceTrainingStatusTrigger
 from tests.plugins.test_slice_spec import make_slice_spec
 from tests.plugins.test_unreachable_bound import DagRun, StateStore
 

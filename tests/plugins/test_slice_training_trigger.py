@@ -13,9 +13,9 @@ import time
 import pytest
 
 from localcloud.compute.emulator import NEVER_LEASED
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
-from maxtext_sft.triggers.training import SliceTrainingStatusTrigger, TrainingStatusTrigger
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.vm.ssh_async import VmSSHHookAsync
+from maxtext_sft.vm.training_watch import SliceTrainingStatusTrigger, TrainingStatusTrigger
 from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module's VM, host 0
     GCP_CONN_ID,
     WRONG_KEY,
@@ -86,7 +86,7 @@ def test_serialize_round_trip_holds_plain_values_and_no_secret():
     trigger = SliceTrainingStatusTrigger(hosts=hosts, instance_ids={"slice-host-0": "100", "slice-host-1": "101"},
                                          first_event_after=60)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "maxtext_sft.triggers.training.SliceTrainingStatusTrigger"
+    assert classpath == "maxtext_sft.vm.training_watch.SliceTrainingStatusTrigger"
     assert json.loads(json.dumps(kwargs)) == kwargs  # what Airflow stores for the triggerer
     assert SliceTrainingStatusTrigger(**kwargs).serialize() == (classpath, kwargs)
     assert not any("huggingface" in json.dumps(value) for value in kwargs.values())

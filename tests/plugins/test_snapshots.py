@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import HfApi
 
 from localcloud.connections import LOCAL_HUB_USER
-from maxtext_sft.snapshots import SnapshotError, dataset_revision_at, snapshot_moment
+from maxtext_sft.run.snapshots import SnapshotError, dataset_revision_at, snapshot_moment
 
 DAY = timedelta(days=1)
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
@@ -63,7 +63,7 @@ def test_a_run_is_pinned_to_its_snapshot_an_explicit_revision_wins_and_its_files
     import logging
     from types import SimpleNamespace
 
-    from maxtext_sft.plan import pin_dataset_snapshot
+    from maxtext_sft.tasks.plan import pin_dataset_snapshot
     from tests.plugins.test_spec import make_spec
 
     api, commits = history

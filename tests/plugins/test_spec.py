@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from maxtext_sft.maxtext_args import OWNED_KEYS
-from maxtext_sft.run_params import GCE_NAME, SpecError, defaults
-from maxtext_sft.spec import RunSpec, build_run_spec
+from maxtext_sft.run.maxtext_args import OWNED_KEYS
+from maxtext_sft.run.params import GCE_NAME, SpecError, defaults
+from maxtext_sft.run.spec import RunSpec, build_run_spec
 
 TUTORIAL_DEFAULTS = defaults()
 
@@ -316,7 +316,7 @@ def test_os_login_replaces_the_ssh_keys_metadata():
 def test_ssh_via_iap_tunnels_through_gcloud():
     import shlex
 
-    from maxtext_sft.vm_access import iap_tunnel_command
+    from maxtext_sft.vm.access import iap_tunnel_command
 
     spec = make_spec(ssh_via_iap=True)
     assert shlex.split(iap_tunnel_command(spec)) == [

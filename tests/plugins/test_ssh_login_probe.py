@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from maxtext_sft.hooks.vm_ssh import LoginRefused
-from maxtext_sft import vm_access
+from maxtext_sft.vm.ssh import LoginRefused
+from maxtext_sft.vm import access as vm_access
 from tests.plugins.test_spec import make_spec
 
 LOG = logging.getLogger("test")

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from localcloud.compute.emulator import NEVER_LEASED
-from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
-from maxtext_sft.triggers import ssh_ready
-from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
+from maxtext_sft.vm.ssh_async import VmSSHHookAsync
+from maxtext_sft.vm import ssh_ready
+from maxtext_sft.vm.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from tests.plugins.test_training_trigger import (  # noqa: F401 - vm: the module's VM
     WRONG_KEY,
     closed,
@@ -52,7 +52,7 @@ def test_serialize_round_trip_holds_plain_values_and_no_secret():
         refused_until=99.0, first_refused=9.0, first_event_after=60,
     )
     classpath, kwargs = trigger.serialize()
-    assert classpath == "maxtext_sft.triggers.ssh_ready.SshReadyTrigger"
+    assert classpath == "maxtext_sft.vm.ssh_ready.SshReadyTrigger"
     assert json.loads(json.dumps(kwargs)) == kwargs  # what Airflow stores for the triggerer
     again = SshReadyTrigger(**kwargs)
     assert again.serialize() == (classpath, kwargs)
@@ -203,8 +203,7 @@ def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_
 
 def test_host_keys_the_compute_api_could_not_read_are_read_again_at_the_next_poll(vm, monkeypatch):
     spec, address, _, _ = vm
-    from maxtext_sft import vm_access
-
+    from maxtext_sft.vm import access as vm_access
     reads = []
     read = vm_access.published_host_keys
 

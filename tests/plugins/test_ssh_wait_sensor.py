@@ -12,10 +12,10 @@ import pytest
 from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-from maxtext_sft import vm_access
-from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
-from maxtext_sft.sensors import vm as sensors
-from maxtext_sft.triggers.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
+from maxtext_sft.vm import access as vm_access
+from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
+from maxtext_sft.tasks import vm_sensors as sensors
+from maxtext_sft.vm.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from tests.plugins.test_spec import make_spec
 from tests.plugins.test_unreachable_bound import DagRun, StateStore
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from maxtext_sft.hooks.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook, split_gcs_uri
+from maxtext_sft.cloud.storage import ORBAX_COMMIT_MARKER, StorageEndpointHook, split_gcs_uri
 
 BUCKET = "hook-tests"
 

@@ -19,11 +19,11 @@ from google.api_core.exceptions import NotFound
 
 from localcloud.compute.emulator import NEVER_LEASED
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.vm_ssh import VmSSHHook
-from maxtext_sft.spec import build_run_spec
-from maxtext_sft.triggers.training import TrainingStartTrigger, TrainingStatusTrigger
-from maxtext_sft.vm_steps import remote_command, script_files
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.vm.ssh import VmSSHHook
+from maxtext_sft.run.spec import build_run_spec
+from maxtext_sft.vm.training_watch import TrainingStartTrigger, TrainingStatusTrigger
+from maxtext_sft.vm.steps import remote_command, script_files
 
 SSH_CONN_ID = "maxtext_sft_vm_ssh"
 GCP_CONN_ID = "google_cloud_default"
@@ -157,7 +157,7 @@ def test_serialize_round_trip():
         checkpoints_dir="gs://b/c", checkpoints_kept=2,
     )
     classpath, kwargs = trigger.serialize()
-    assert classpath == "maxtext_sft.triggers.training.TrainingStatusTrigger"
+    assert classpath == "maxtext_sft.vm.training_watch.TrainingStatusTrigger"
     again = TrainingStatusTrigger(**kwargs)
     assert again.serialize() == (classpath, kwargs)
     assert kwargs["first_poll_after"] == 30  # a poll interval after the worker's own check
@@ -274,7 +274,7 @@ async def closed(conn) -> bool:
 def test_each_check_closes_its_connection_and_a_cancelled_trigger_its_open_one(vm, monkeypatch):
     """One SSH connection per check, closed after it; the triggerer cancelling the trigger (its
     task cleared or marked, the triggerer stopping) mid-check closes the one open and ends it."""
-    from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
+    from maxtext_sft.vm.ssh_async import VmSSHHookAsync
 
     spec, address, keys, hook = vm
     fake_training(spec, hook, steps=2, alive=True, exit_code=None)
@@ -310,7 +310,7 @@ def start_trigger_for(spec) -> TrainingStartTrigger:
     by the template the sensor gives it, in a sandboxed Jinja environment as BaseTrigger's."""
     from jinja2.sandbox import SandboxedEnvironment
 
-    from maxtext_sft.trigger_start import xcom_json_template
+    from maxtext_sft.cloud.trigger_start import xcom_json_template
 
     class PlanRunXCom:
         def xcom_pull(self, task_ids, key, map_indexes):
@@ -326,7 +326,7 @@ def test_the_start_trigger_serializes_its_template_and_connections_only():
     trigger = TrainingStartTrigger(spec="{{ ti.xcom_pull(task_ids='plan_run', key='spec') | tojson }}",
                                    ssh_conn_id="ssh", gcp_conn_id="gcp")
     classpath, kwargs = trigger.serialize()
-    assert classpath == "maxtext_sft.triggers.training.TrainingStartTrigger"
+    assert classpath == "maxtext_sft.vm.training_watch.TrainingStartTrigger"
     assert kwargs == {"spec": trigger.spec, "ssh_conn_id": "ssh", "gcp_conn_id": "gcp", "first_event_after": 0}
     assert TrainingStartTrigger(**kwargs).serialize() == (classpath, kwargs)
 

@@ -13,8 +13,8 @@ import pytest
 
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-from maxtext_sft.sensors import vm as sensors
-from maxtext_sft.sensors.vm import TrainingCheckpointSensor
+from maxtext_sft.tasks import vm_sensors as sensors
+from maxtext_sft.tasks.vm_sensors import TrainingCheckpointSensor
 from tests.plugins.test_spec import make_spec
 
 CONNECTIONS = {"gcp_conn_id": "gcp", "ssh_conn_id": "ssh", "hf_conn_id": "hf"}
@@ -301,7 +301,7 @@ def test_each_try_starts_on_the_triggerer_with_plan_runs_spec_rendered_there():
         on_a_slice = sensors.SliceTrainingSensor(task_id="slice", spec=run["spec"], hosts=run["hosts"], **CONNECTIONS)
     assert sensor.start_from_trigger is True
     args = sensor.start_trigger_args
-    assert args.trigger_cls == "maxtext_sft.triggers.training.TrainingStartTrigger"
+    assert args.trigger_cls == "maxtext_sft.vm.training_watch.TrainingStartTrigger"
     assert args.next_method == "resume_after_status" and args.timeout is None
     assert args.trigger_kwargs == {"spec": "{{ ti.xcom_pull(task_ids='plan_run', key='spec', map_indexes=-1) | tojson }}",
                                    "ssh_conn_id": "ssh", "gcp_conn_id": "gcp"}
@@ -333,7 +333,7 @@ def test_a_finished_training_seen_by_the_trigger_is_the_sensors_result(status_ev
 
 
 def test_a_refused_key_or_login_and_the_timeout_fail_the_sensor(status_events):
-    from maxtext_sft.hooks.vm_ssh_common import HostKeyMismatch, LoginRefused
+    from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
     from airflow.sdk.exceptions import AirflowSensorTimeout
 
     spec = make_spec()
@@ -349,7 +349,7 @@ def test_the_trigger_holds_plain_values_and_no_secret(status_events):
     """What the triggerer is given (the trigger's kwargs, stored in Airflow's database): plain JSON
     values, the SSH and Google connections' ids, the status script's command line: nothing of the
     Hugging Face connection, whose token only the steps that need it take."""
-    from maxtext_sft.vm_steps import STEPS
+    from maxtext_sft.vm.steps import STEPS
 
     spec = make_spec()
     with pytest.raises(TaskDeferred) as deferred:

@@ -15,10 +15,10 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk import PokeReturnValue
 from airflow.sdk.exceptions import AirflowFailException
 from localcloud.connections import LOCAL_RUN_CONF
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.storage import StorageEndpointHook
-from maxtext_sft.sensors.vm import TrainingCheckpointSensor
-from maxtext_sft.spec import build_run_spec
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.cloud.storage import StorageEndpointHook
+from maxtext_sft.tasks.vm_sensors import TrainingCheckpointSensor
+from maxtext_sft.run.spec import build_run_spec
 
 pytestmark = pytest.mark.e2e
 BUCKET = "recovery-tests"

@@ -9,9 +9,9 @@ from datetime import datetime, timezone
 import pytest
 
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
-from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
-from maxtext_sft.hooks.vm_ssh import LoginRefused, VmSSHHook
-from maxtext_sft.spec import build_run_spec
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.vm.ssh import LoginRefused, VmSSHHook
+from maxtext_sft.run.spec import build_run_spec
 
 SSH_CONN_ID = "maxtext_sft_vm_ssh"
 
@@ -90,7 +90,7 @@ def test_stdin_reaches_the_command_without_being_on_its_command_line(ssh):
 
 
 def test_a_command_past_its_deadline_raises(ssh):
-    from maxtext_sft.hooks.vm_ssh import RemoteCommandError
+    from maxtext_sft.vm.ssh import RemoteCommandError
 
     with pytest.raises(RemoteCommandError, match="still running after 2 s"):
         ssh.run_command("echo started; sleep 30", timeout=2, on_line=lambda line: None)
@@ -127,7 +127,7 @@ def test_a_host_key_other_than_the_published_one_is_refused(vm, connection_says,
 
     from airflow.models import Connection
     from localcloud.compute.emulator import _unrelated_ed25519_key
-    from maxtext_sft.hooks.vm_ssh import HostKeyMismatch
+    from maxtext_sft.vm.ssh import HostKeyMismatch
 
     conn_id = SSH_CONN_ID
     if connection_says:

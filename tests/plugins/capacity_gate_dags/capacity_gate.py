@@ -11,8 +11,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from airflow.sdk import DAG, task
-from maxtext_sft.operators.compute import CreateVmOperator
-from maxtext_sft.outcome import record_failure
+from maxtext_sft.tasks.compute import CreateVmOperator
+from maxtext_sft.tasks.outcome import record_failure
 
 with DAG(
     dag_id="capacity_gate_test",

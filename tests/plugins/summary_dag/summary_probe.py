@@ -17,11 +17,11 @@ from pathlib import Path
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, BaseSensorOperator, Param, PokeReturnValue, task
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.outcome import check_run_outcome, record_failure
-from maxtext_sft.phase_timing import note_phase_start, record_phase
-from maxtext_sft.run_summary import SummaryTasks
-from maxtext_sft.spec import build_run_spec
-from maxtext_sft.summarize import summarize_run
+from maxtext_sft.tasks.outcome import check_run_outcome, record_failure
+from maxtext_sft.tasks.phase_timing import note_phase_start, record_phase
+from maxtext_sft.results.summary import SummaryTasks
+from maxtext_sft.run.spec import build_run_spec
+from maxtext_sft.tasks.summarize import summarize_run
 
 HOURLY_PRICE = 36.0
 

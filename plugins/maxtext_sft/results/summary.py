@@ -1,0 +1,307 @@
+"""The run summary: each phase's time and state, the VM's lifetime, VM-hours and estimated cost, the
+training's final step and loss, and where the outputs are.
+
+Pure functions of what the tasks left behind (their states, their phase records and XComs), so
+tests need no Airflow. A phase record is what `phase_timing.record_phase` pushes for every task
+that ran: {"started": first try's start, "ended": ..., "try_number": N, "state": ...}, ISO times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from maxtext_sft.run.names import ledger_entry_number, ledger_resumed_name
+
+# XCom key under which a failed task leaves its error (outcome.record_failure), for
+# check_run_outcome and the rehearsal's checks to name the cause.
+FAILURE_KEY = "failure"
+# XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
+PHASE_KEY = "phase"
+# Task states in which create_vm has started at least once, so a VM may have existed.
+STARTED_STATES = {"running", "success", "failed", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
+# States of a task that never ran because an earlier one failed (or a user marked the run failed).
+NOT_RUN_STATES = {"upstream_failed", "skipped", "removed", None}
+
+
+@dataclass(frozen=True)
+class SummaryTasks:
+    """Which task of the DAG plays each part the summary reads, by task id (builders/pipeline.py names them
+    from its own task objects)."""
+
+    plan: str  # its XCom "spec" is the run's spec
+    create_vm: str
+    delete_vm: str
+    training: str  # the training sensor: final step and loss
+    outputs: str  # collect_outputs: the run record
+    publish: str
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+def _seconds(start: str | None, end: str | None) -> float | None:
+    started, ended = _time(start), _time(end)
+    return round((ended - started).total_seconds(), 3) if started and ended else None
+
+
+def phase_rows(
+    order: Sequence[str], states: Mapping[str, str | None], records: Mapping[str, dict | None]
+) -> list[dict[str, Any]]:
+    """One row per task in pipeline order: its state and, if it ran, its first start, its end,
+    the time in between (retries and a sensor's reschedules included) and its tries."""
+    rows = []
+    for task_id in order:
+        record = records.get(task_id) or {}
+        rows.append({
+            "task_id": task_id,
+            "state": states.get(task_id) or record.get("state"),
+            "started": record.get("started"),
+            "ended": record.get("ended"),
+            "duration_seconds": _seconds(record.get("started"), record.get("ended")),
+            "tries": record.get("try_number"),
+        })
+    return rows
+
+
+def vm_usage(
+    *,
+    created: dict | None,
+    create_state: str | None,
+    deleted: dict | None,
+    instance_created_at: str | None = None,
+    delete_state: str | None,
+    hourly_price_usd: float | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The VM's lifetime, VM-hours and estimated cost.
+
+    The lifetime runs from the instance's creationTimestamp (create_vm's XCom; without it,
+    create_vm's first start) to delete_vm's end: it bounds the VM's real life from above (the
+    deletion is confirmed before the task ends), so the cost is at most this. The timestamp
+    matters because create_vm may have waited hours for a free machine before its insert. Without delete_vm's end it is counted up to `now`, still
+    an upper bound; unless delete_vm succeeded the VM may still be running. If create_vm never
+    started, no VM existed: no lifetime, cost 0.
+    """
+    usage: dict[str, Any] = {
+        "existed": False,
+        "started": None,
+        "ended": None,
+        "deleted": False,
+        "lifetime_seconds": None,
+        "vm_hours": 0.0,
+        "hourly_price_usd": hourly_price_usd,
+        "estimated_cost_usd": 0.0,
+    }
+    if created is None and create_state not in STARTED_STATES:
+        return usage  # the run ended before create_vm: no VM, nothing to pay
+    usage["existed"] = True
+    usage["deleted"] = delete_state == "success"
+    if created is None:  # it ran, but left no record (killed before its callback): unknown
+        usage.update(vm_hours=None, estimated_cost_usd=None)
+        return usage
+    usage["started"] = instance_created_at or created["started"]
+    usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
+    seconds = _seconds(usage["started"], usage["ended"])
+    usage["lifetime_seconds"] = seconds
+    usage["vm_hours"] = round(seconds / 3600, 4)
+    usage["estimated_cost_usd"] = (
+        round(seconds / 3600 * hourly_price_usd, 2) if hourly_price_usd is not None else None
+    )
+    return usage
+
+
+def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per recovery of the run's ledger (vm_recovery: N.json, and N-resumed.json once its
+    training resumed): when and why, the steps lost (trained on the lost VM after the checkpoint
+    the new one resumed from), and the VM-minutes from the new VM's insert to the resumed training."""
+    rows = []
+    for name, entry in sorted(ledger.items()):
+        if ledger_entry_number(name) is None:
+            continue
+        number = entry.get("recovery")
+        resumed = ledger.get(ledger_resumed_name(number)) or {}
+        lost, kept = entry.get("lost_after_step"), entry.get("resumes_after_step") or 0
+        at, resumed_at = entry.get("at"), resumed.get("resumed_at")
+        rows.append({
+            "recovery": number,
+            "at": datetime.fromtimestamp(at, timezone.utc).isoformat() if at else None,
+            "reason": entry.get("reason"),
+            "resumes_after_step": entry.get("resumes_after_step"),
+            "steps_lost": max(0, lost - kept) if lost is not None else None,
+            "vm_minutes_to_resume": round((resumed_at - at) / 60, 2) if at and resumed_at else None,
+            "step_seconds": resumed.get("step_seconds"),
+        })
+    return sorted(rows, key=lambda row: row["recovery"] or 0)
+
+
+def build_summary(
+    *,
+    dag_id: str,
+    run_id: str,
+    order: Sequence[str],
+    states: Mapping[str, str | None],
+    records: Mapping[str, dict | None],
+    spec: Mapping[str, Any] | None,
+    training: Mapping[str, Any] | None,
+    record: Mapping[str, Any] | None,
+    published: Mapping[str, Any] | None,
+    hourly_price_usd: float | None,
+    now: datetime,
+    tasks: SummaryTasks,
+    recoveries: Sequence[Mapping[str, Any]] = (),
+    instance_created_at: str | None = None,
+    rehearsal_checks: Sequence[Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
+    from the spec, the training's result and the run record: nothing else of theirs can leak in."""
+    phases = phase_rows(order, states, records)
+    # A phase without times shows "-" (the scheduler's no-op vm_lease never runs anywhere); only
+    # what the VM's cost and the outputs depend on is worth a warning when it is missing.
+    warnings = []
+    for task_id in (tasks.create_vm, tasks.delete_vm):
+        if states.get(task_id) in STARTED_STATES and not records.get(task_id):
+            warnings.append(f"{task_id} ran ({states[task_id]}) but left no phase record: the VM's lifetime is unknown")
+    not_succeeded = {row["task_id"]: row["state"] for row in phases if row["state"] != "success"}
+    vm = vm_usage(
+        created=records.get(tasks.create_vm),
+        create_state=states.get(tasks.create_vm),
+        deleted=records.get(tasks.delete_vm),
+        instance_created_at=instance_created_at,
+        delete_state=states.get(tasks.delete_vm),
+        hourly_price_usd=hourly_price_usd,
+        now=now,
+    )
+    if vm["existed"] and not vm["deleted"]:
+        warnings.append(f"{tasks.delete_vm} did not confirm the deletion: the VM may still exist (counted up to now)")
+    if states.get(tasks.outputs) == "success" and not record:
+        warnings.append(f"{tasks.outputs} succeeded but its run record was not found")
+    if states.get(tasks.training) == "success" and not training:
+        warnings.append(f"{tasks.training} succeeded but its final step and loss were not found")
+    outputs = None
+    if record:
+        outputs = {
+            key: record.get(key)
+            for key in ("run_record", "hf_export", "model_card", "checkpoints", "loss_curve", "base_checkpoint")
+        }
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_name": (spec or {}).get("run_name"),
+        "vm_name": (spec or {}).get("vm_name"),
+        "outcome": "success" if not not_succeeded else "failed",
+        "not_succeeded": not_succeeded,
+        "phases": phases,
+        "vm": vm,
+        "final_step": (training or {}).get("final_step"),
+        "final_loss": (training or {}).get("final_loss"),
+        # The held-out evaluation, from the run record: {"base": ..., "tuned": ...} and its split.
+        "eval_split": (record or {}).get("eval_split"),
+        "eval_loss": (record or {}).get("eval_loss"),
+        "outputs": outputs,
+        "published": dict(published) if published else None,
+        "recoveries": [dict(row) for row in recoveries],
+        **({"rehearsal_checks": [dict(row) for row in rehearsal_checks]} if rehearsal_checks is not None else {}),
+        "tasks": asdict(tasks),
+        "warnings": warnings,
+        "summarized_at": now.isoformat(),
+    }
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _clock(text: str) -> str:
+    """An ISO time as the log shows it: UTC, to the second."""
+    return f"{datetime.fromisoformat(text).astimezone(timezone.utc):%Y-%m-%d %H:%M:%S}"
+
+
+def render_text(summary: Mapping[str, Any]) -> str:
+    """The summary for the task log: one line per phase, then the VM, the training and the outputs."""
+    verdict = summary["outcome"]
+    if summary["not_succeeded"]:
+        named = [f"{t}={s}" for t, s in summary["not_succeeded"].items() if s not in NOT_RUN_STATES]
+        not_run = len(summary["not_succeeded"]) - len(named)
+        verdict += " (" + ", ".join(named + ([f"{not_run} did not run"] if not_run else [])) + ")"
+    lines = [f"Run summary of {summary['dag_id']} / {summary['run_id']}: {verdict}", "Phases (UTC):"]
+    width = max((len(row["task_id"]) for row in summary["phases"]), default=0)
+    for row in summary["phases"]:
+        tries = f"{row['tries']} tries" if (row["tries"] or 0) > 1 else ""
+        when = f"{_clock(row['started'])} -> {_clock(row['ended'])}" if row["started"] and row["ended"] else ""
+        lines.append(
+            f"  {row['task_id']:<{width}}  {str(row['state']):<15} {format_duration(row['duration_seconds']):>11}"
+            f"  {tries:<8}  {when}".rstrip()
+        )
+    vm = summary["vm"]
+    create, delete, outputs = (summary["tasks"][part] for part in ("create_vm", "delete_vm", "outputs"))
+    name = summary["vm_name"] or "the VM"
+    if not vm["existed"]:
+        lines.append(f"VM: none was created ({create} did not run); estimated cost $0.00")
+    elif vm["lifetime_seconds"] is None:
+        lines.append(f"VM {name}: lifetime unknown ({create} left no phase record); cost not estimated")
+    else:
+        span = (
+            f"at most: {create}'s start to {delete}'s end" if vm["deleted"]
+            else f"so far: {create}'s start to now, deletion not confirmed"
+        )
+        cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
+            f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
+        )
+        lines.append(
+            f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
+            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}"
+        )
+    for row in summary.get("recoveries") or ():
+        lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"
+        minutes = "" if row["vm_minutes_to_resume"] is None else f", {row['vm_minutes_to_resume']:.1f} VM-minutes to resume"
+        lines.append(
+            f"Recovery {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
+            f"{row['resumes_after_step']}, {lost}{minutes}; {row['reason']}"
+        )
+    if summary["final_step"] is None:
+        lines.append("Training: no final step or loss (the training did not finish)")
+    else:
+        lines.append(f"Training: final step {summary['final_step']}, final loss {summary['final_loss']}")
+    if summary.get("eval_split") and summary.get("eval_loss"):
+        loss = summary["eval_loss"]
+        shown = {k: "not measured" if loss.get(k) is None else f"{loss[k]:.4f}" for k in ("base", "tuned")}
+        lines.append(f"Held-out eval loss on {summary['eval_split']}: base {shown['base']}, tuned {shown['tuned']}")
+    if summary["outputs"]:
+        lines.append("Outputs:")
+        lines += [f"  {key}: {value}" for key, value in summary["outputs"].items() if value]
+    else:
+        lines.append(f"Outputs: none recorded ({outputs} did not succeed)")
+    if summary["published"]:
+        published = summary["published"]
+        if published.get("published", True):  # a run summarized before the gate returned no flag
+            lines.append(
+                f"Published: {published.get('repo_id')}@{published.get('branch')} commit {published.get('commit')}"
+            )
+        else:
+            lines.append(f"Not published: {published.get('reason')}")
+    if summary.get("rehearsal_checks") is not None:
+        lines += render_checks(summary["rehearsal_checks"])
+    lines += [f"Warning: {warning}" for warning in summary["warnings"]]
+    return "\n".join(lines)
+
+
+def render_checks(rows: Sequence[Mapping[str, str]]) -> list[str]:
+    """The checks' lines in the run summary's text."""
+    width = max((len(row["check"]) for row in rows), default=0)
+    lines = ["Rehearsal checks:"]
+    for row in rows:
+        lines.append(f"  {row['result']:<8} {row['check']:<{width}}  {row['detail'] or row['proves']}")
+    return lines

@@ -1,0 +1,268 @@
+"""Checks before the VM is paid for: everything that would otherwise fail on the VM, found first.
+
+Each check names what is wrong and how to fix it; `run_preflight` runs them all and fails the
+task (no retries) listing every failure, so one trigger shows every problem of a conf.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk.exceptions import AirflowFailException
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, reservation_counts
+from maxtext_sft.cloud.hub import HuggingFaceHubHook
+from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
+from maxtext_sft.run.paths import local_output_dir
+from maxtext_sft.run.sizing import (
+    GB,
+    HOST_MEMORY_BYTES,
+    MAXTEXT_VENV_BYTES,
+    OS_ALLOWANCE_BYTES,
+    gb,
+    run_sizes,
+    saved_steps,
+)
+from maxtext_sft.run.snapshots import files_at
+from maxtext_sft.run.spec import RunSpec
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
+
+class PreflightFailed(Exception):
+    """One check's finding: what is wrong and what to do about it."""
+
+
+class InvalidToken(PreflightFailed):
+    """The Hub refuses the token itself: checks that need it cannot say anything."""
+
+
+def checkpoint_repo(spec: RunSpec) -> str | None:
+    """The Hub repo the conversion downloads; None when it reads a folder on the VM (--hf_model_path)."""
+    for arg in spec.convert_extra_args:
+        key, _, value = arg.lstrip("-").partition("=")
+        if key == "hf_model_path":
+            return None if value.startswith(("/", "~", ".")) else value
+    return spec.base_model_id
+
+
+def check_hub_access(api: HfApi, spec: RunSpec) -> str:
+    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
+    try:
+        user = api.whoami()["name"]
+    except HfHubHTTPError as error:
+        if error.response is not None and error.response.status_code == 401:
+            raise InvalidToken("the Hugging Face token is invalid or expired (connection password)") from None
+        raise
+    repo = checkpoint_repo(spec)
+    if repo is None:
+        return f"token of {user}; the base checkpoint is a folder on the VM"
+    readable_commit(api, "model", repo, spec.model_revision, f"the Hugging Face token ({user})")
+    return f"token of {user} may read {repo}"
+
+
+def check_dataset(api: HfApi, spec: RunSpec) -> str:
+    if spec.bucket_dataset:
+        if not spec.dataset_files:
+            raise PreflightFailed(
+                f"dataset folder {spec.dataset_name} has no files {spec.train_files_pattern}, or cannot be "
+                "listed (Params dataset_name, train_split; the Google connection's access to the bucket)"
+            )
+        return f"dataset {spec.dataset_name}: {len(spec.dataset_files)} file(s) {spec.train_files_pattern}"
+    if not spec.hub_dataset:
+        return f"dataset {spec.dataset_name} is a folder on the VM: not checked"
+    commit = readable_commit(api, "dataset", spec.dataset_name, spec.dataset_revision, "the Hugging Face token")
+    if spec.dataset_revision is None:  # plan_run could not pin it, and it is readable now: a passing fault
+        raise PreflightFailed(f"dataset {spec.dataset_name}: no snapshot was pinned; clear the run to try again")
+    if not spec.dataset_files:
+        raise PreflightFailed(
+            f"dataset {spec.dataset_name} at commit {commit} has no files {spec.train_files_pattern} (Param train_split)"
+        )
+    return f"dataset {spec.dataset_name} at commit {commit}: {len(spec.dataset_files)} file(s) {spec.train_files_pattern}"
+
+
+def check_eval_split(api: HfApi, storage: StorageEndpointHook, spec: RunSpec) -> str:
+    """The held-out split has files where the training's are (the same snapshot, or folder): MaxText
+    would otherwise fail on the VM, after the install and the conversion were paid for."""
+    if not spec.eval_split:
+        return "no evaluation (Param eval_split empty)"
+    pattern = spec.eval_files_pattern
+    if (spec.bucket_dataset or spec.hub_dataset) and not spec.dataset_files:
+        return "not checked (no snapshot of the dataset: its own check says why)"
+    if spec.bucket_dataset:
+        names = [name for name in storage.names_under(spec.dataset_name) if fnmatch.fnmatchcase(name, pattern)]
+        where = f"dataset folder {spec.dataset_name}"
+    elif spec.hub_dataset and spec.dataset_revision:
+        names = files_at(api, spec.dataset_name, spec.dataset_revision, pattern)
+        where = f"dataset {spec.dataset_name} at commit {spec.dataset_revision}"
+    else:
+        return f"split {spec.eval_split} of {spec.dataset_name}: not checked (read by split name on the VM)"
+    if not names:
+        raise PreflightFailed(
+            f"{where} has no files {pattern} to evaluate on (Param eval_split; empty it to train without evaluation)"
+        )
+    return f"{where}: {len(names)} file(s) {pattern} to evaluate on, {spec.eval_steps} batches"
+
+
+def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:
+    """The commit `revision` of Hub repo `repo` (a "model" or "dataset") resolves to, checking that
+    `token` (its description, for the messages) may read its files."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+
+    try:
+        api.auth_check(repo, repo_type=kind)
+        return api.repo_info(repo, repo_type=kind, revision=revision).sha
+    except GatedRepoError:
+        raise PreflightFailed(
+            f"{token} has no access to the gated {kind} {repo}: accept its licence on the Hub with that account"
+        ) from None
+    except RevisionNotFoundError:
+        raise PreflightFailed(f"{kind} {repo} has no revision {revision!r} (Param {kind}_revision)") from None
+    except RepositoryNotFoundError:
+        raise PreflightFailed(f"{kind} {repo} does not exist on the Hub, or {token} cannot see it") from None
+
+
+def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capacity_gate: bool = False) -> str:
+    """The reservation exists and holds the run's machine type; with no machine free it fails,
+    unless `capacity_gate` (create_vm waits for one, up to max_capacity_wait_minutes)."""
+    reservation = compute.get_reservation(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
+    where = f"reservation {spec.reservation} in {spec.project_id}/{spec.zone}"
+    if reservation is None:
+        raise PreflightFailed(f"{where} does not exist (Params reservation, zone, project_id)")
+    specific = reservation.get("specificReservation") or {}
+    machine_type = (specific.get("instanceProperties") or {}).get("machineType", "").rsplit("/", 1)[-1]
+    if machine_type != spec.machine_type:
+        raise PreflightFailed(f"{where} holds {machine_type or 'no'} machines, not {spec.machine_type}")
+    count, in_use = reservation_counts(reservation)
+    if spec.rehearsal:  # read only: the rehearsal's VM takes none of it
+        return f"{where} exists and holds {machine_type} machines ({count - in_use} of {count} free; not used by the rehearsal)"
+    needed = spec.hosts  # a slice's every host at once
+    if count < needed:
+        raise PreflightFailed(
+            f"{where} holds {count} {machine_type} machines; the {spec.tpu_slice} slice needs {needed}"
+        )
+    if count - in_use < needed and capacity_gate and spec.max_capacity_wait_minutes > 0:
+        if needed > 1:
+            return (
+                f"{where}: {in_use} of {count} {machine_type} machines in use; create_slice waits up to "
+                f"{spec.max_capacity_wait_minutes} minutes for {needed} to be free"
+            )
+        return (
+            f"{where}: all {count} {machine_type} machines in use; create_vm waits up to "
+            f"{spec.max_capacity_wait_minutes} minutes for one"
+        )
+    if count - in_use < needed:
+        also = f", the slice needs {needed}" if needed > 1 else ""
+        raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use{also}")
+    return f"{where}: {count - in_use} of {count} {machine_type} free"
+
+
+def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
+    if not spec.durable:
+        return "no output_location: outputs stay on the VM until collect_outputs copies the export"
+    probe = f"{spec.run_output_dir}/.preflight-write-probe"
+    try:
+        storage.create_once(probe, "{}")
+        bucket, name = split_gcs_uri(probe)
+        storage.delete(bucket, name)
+    except Exception as error:  # noqa: BLE001 - any refusal means the same thing to the user
+        raise PreflightFailed(f"output_location {spec.output_location} is not writable: {error}") from None
+    return f"output_location {spec.output_location} is writable"
+
+
+def check_room(spec: RunSpec, *, worker_free_bytes: int | None) -> str:
+    """What the run writes fits where it writes it, at the real model's size (see run/sizing.py):
+    the VM's boot disk (the Hub download, the MaxText venv, the OS), its /dev/shm (the tutorial's
+    scratch: the export always, the conversion and every training checkpoint when they stay on the
+    VM) and, without an output location, the worker's local_output_dir (the export, copied there).
+    `worker_free_bytes`: free space of that folder's file system (None: not checked)."""
+    sizes = run_sizes(spec.model_name)
+    if sizes is None:
+        return f"sizes not checked: no shape known for model {spec.model_name} (sizing.MODEL_SHAPES)"
+    problems = []
+    download = sizes.hf_download if checkpoint_repo(spec) else 0
+    boot_need = OS_ALLOWANCE_BYTES + MAXTEXT_VENV_BYTES + download
+    boot = spec.boot_disk_size_gb * GB
+    if boot_need > boot:
+        problems.append(
+            f"the boot disk of {spec.boot_disk_size_gb} GB cannot hold {gb(boot_need)} (the {spec.model_name} "
+            f"download {gb(download)}, the MaxText venv {gb(MAXTEXT_VENV_BYTES)}, the OS {gb(OS_ALLOWANCE_BYTES)}): "
+            "raise the Param boot_disk_size_gb"
+        )
+    scratch_need = sizes.export
+    what = f"the export {gb(sizes.export)}"
+    if not spec.durable:
+        kept = saved_steps(spec.steps, spec.checkpoint_period)
+        scratch_need += sizes.converted_checkpoint + kept * sizes.training_checkpoint
+        what += (
+            f", the converted checkpoint {gb(sizes.converted_checkpoint)} and {kept} training checkpoints of "
+            f"{gb(sizes.training_checkpoint)} (steps {spec.steps}, checkpoint_period {spec.checkpoint_period})"
+        )
+    memory = HOST_MEMORY_BYTES.get(spec.machine_type)
+    if memory is not None and scratch_need > memory // 2:
+        problems.append(
+            f"/dev/shm on {spec.machine_type} (a RAM disk of half its {gb(memory)} memory, {gb(memory // 2)}) "
+            f"cannot hold {gb(scratch_need)}: {what}. Set output_location so checkpoints go to storage, or a "
+            "larger checkpoint_period"
+        )
+    if not spec.durable and worker_free_bytes is not None and sizes.export > worker_free_bytes:
+        problems.append(
+            f"the worker's local_output_dir has {gb(worker_free_bytes)} free, not the {gb(sizes.export)} of the "
+            "export collect_outputs copies there: set output_location, or [maxtext_sft] local_output_dir to a "
+            "larger file system"
+        )
+    if problems:
+        raise PreflightFailed("; ".join(problems))
+    return (
+        f"{spec.model_name} ({sizes.text_parameters / 1e9:.2f}B parameters trained) fits: boot disk needs "
+        f"{gb(boot_need)} of {spec.boot_disk_size_gb} GB, /dev/shm {gb(scratch_need)}"
+    )
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space of the file system `folder` is (or will be) on."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def run_preflight(
+    spec: RunSpec, *, gcp_conn_id: str, hf_conn_id: str, log: Any, capacity_gate: bool = False
+) -> list[str]:
+    """Run every check; fail (without retries) naming every failure, or return what was found.
+
+    `capacity_gate`: create_vm waits for a free machine, so a full reservation is not a failure.
+    """
+    api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
+    checks = [
+        ("Hugging Face token", lambda: check_hub_access(api, spec)),
+        ("dataset", lambda: check_dataset(api, spec)),
+        ("eval split", lambda: check_eval_split(api, StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        (
+            "reservation",
+            lambda: check_reservation(
+                ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec, capacity_gate=capacity_gate
+            ),
+        ),
+        ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
+    ]
+    found, failures = [], []
+    token_invalid = False
+    for name, check in checks:
+        if token_invalid and name in ("dataset", "eval split"):
+            failures.append(f"{name}: not checked (the Hugging Face token is invalid)")
+            continue
+        try:
+            found.append(f"{name}: {check()}")
+            log.info("Preflight %s", found[-1])
+        except PreflightFailed as failure:
+            token_invalid = token_invalid or isinstance(failure, InvalidToken)
+            failures.append(f"{name}: {failure}")
+    if failures:
+        raise AirflowFailException("Preflight failed, no VM was created:\n" + "\n".join(failures))
+    return found

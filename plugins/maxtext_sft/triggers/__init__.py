@@ -1,1 +1,0 @@
-"""Triggers the pipeline's deferrable operators wait on (run by Airflow's triggerer)."""
