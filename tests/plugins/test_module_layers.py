@@ -1,4 +1,4 @@
-"""The package's modules import downward only (README, Architecture: which module owns what).
+"""The package's modules import downward only (docs/architecture.md, The modules).
 
 Each module of plugins/maxtext_sft belongs to one layer; it may import from the layers below
 its own and, except for the tasks' layer, from its own. The tasks (operators, sensors and the
@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "plugins" / "maxtext_sft"
 
-# Lowest first. A new module gets a row here, and a line in the README's picture.
+# Lowest first. A new module gets a row here, and a line in the picture in docs/architecture.md.
 LAYERS: list[tuple[str, set[str]]] = [
     ("the run's spec", {
         "catalog", "paths", "run_params", "params", "run_names", "rehearsal_kit", "maxtext_args", "compute_body",
