@@ -65,7 +65,7 @@ rehearse: venv system-deps bytecode
 # Four pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
 # poll, and more workers fill those waits (fresh clones here: 30 min 53 s with two workers, 24 min
 # 22 s with three; d838750, the floor's run included, 25 min 28 s with three, 20 min 10 s with
-# four; README). A file's tests stay on one worker unless the file is marked `spread`
+# four; docs/testing.md). A file's tests stay on one worker unless the file is marked `spread`
 # (tests/conftest.py). The 15 slowest tests are listed at the end. PYTEST_WORKERS=0: one process.
 # pytest exits 5 when it collected no test: that must fail, not pass quietly.
 PYTEST_WORKERS ?= 4

@@ -8,7 +8,7 @@ Trigger with run conf to override any Param; the trigger form documents each one
 from __future__ import annotations
 
 # The Airflow modules a parse needs, named so that the DAG processor imports them once, before it
-# forks each parse (README, Architecture: cheap to parse): the operators' clients, @task and
+# forks each parse (docs/architecture.md: cheap to parse): the operators' clients, @task and
 # EmptyOperator, the providers' Asset handlers, and what serializing the DAG looks up.
 import airflow.providers.common.compat.assets  # noqa: F401
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401

@@ -25,7 +25,7 @@ refused at planning time. The task graph is in plugins/maxtext_sft/builders/bake
 from __future__ import annotations
 
 # The heavy clients the bake's operators are built on, named here so that the DAG processor
-# imports them once, before it forks each parse (README, Architecture: cheap to parse).
+# imports them once, before it forks each parse (docs/architecture.md: cheap to parse).
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401
 import airflow.providers.google.cloud.operators.compute  # noqa: F401
 from airflow.sdk import DAG  # also what Airflow's safe-mode scan looks for in a DAG file

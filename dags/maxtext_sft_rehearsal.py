@@ -16,7 +16,7 @@ conf you would give `maxtext_sft`; the task graph is in plugins/maxtext_sft/buil
 from __future__ import annotations
 
 # The Airflow modules a parse needs, named so that the DAG processor imports them once, before it
-# forks each parse (README, Architecture: cheap to parse): the same as maxtext_sft.py's.
+# forks each parse (docs/architecture.md: cheap to parse): the same as maxtext_sft.py's.
 import airflow.providers.common.compat.assets  # noqa: F401
 import airflow.providers.google.cloud.hooks.gcs  # noqa: F401
 import airflow.providers.google.cloud.operators.compute  # noqa: F401

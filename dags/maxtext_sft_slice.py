@@ -3,7 +3,7 @@ ct6e-standard-4t), triggered by hand; the teardown deletes the slice whatever ha
 
 The same steps as maxtext_sft (plugins/maxtext_sft/builders/pipeline.py), on a managed instance group
 under a workload policy instead of one VM: each step runs on every host or on host 0, and the
-checkpoints go to the output location, which a slice requires. README, "Bigger models".
+checkpoints go to the output location, which a slice requires. docs/multi-host.md.
 """
 
 from __future__ import annotations

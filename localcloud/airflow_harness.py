@@ -353,7 +353,7 @@ class Airflow:
             # modules once, so each task process forks with the client libraries loaded instead
             # of importing them (~2 s of CPU a task: measured, a scheduler test's CPU 100 s ->
             # 57 s). Airflow 3.3's settings; a deployment on the LocalExecutor can set the same
-            # (README, Deploying it). Not for Celery: its worker's helpers would take the
+            # (docs/deployment.md). Not for Celery: its worker's helpers would take the
             # forkserver too, whose socket path under the worker's temp folder is too long.
             env["AIRFLOW__CORE__MP_START_METHOD"] = "forkserver"
             env["AIRFLOW__CORE__MP_FORKSERVER_PRELOAD"] = ",".join(TASK_MODULES)

@@ -90,7 +90,8 @@ def lfs_patterns(gitattributes: str) -> list[str]:
 
 
 def goes_to_lfs(path: str, size: int, sample: bytes, patterns: list[str]) -> bool:
-    """The Hub's choice between a regular git file and LFS (approximated; see README)."""
+    """The Hub's choice between a regular git file and LFS, approximated: 10 MiB or more, a pattern of
+    .gitattributes, or binary content."""
     if size >= LFS_MIN_SIZE:
         return True
     name = path.rsplit("/", 1)[-1]

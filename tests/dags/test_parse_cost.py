@@ -1,4 +1,4 @@
-"""DAG files are cheap to parse (README, Architecture): the heavy client libraries are imported
+"""DAG files are cheap to parse (docs/architecture.md, Cheap to parse): the heavy client libraries are imported
 by the DAG processor's parent once (the airflow.* modules a DAG file names itself, which it
 imports before it forks each parse) or by the tasks that use them, never by each parse.
 

@@ -1,5 +1,5 @@
 """The run-notes plugin is found by Airflow's plugins manager and costs little to import: Airflow
-imports plugins in every one of its processes (README, Architecture)."""
+imports plugins in every one of its processes (docs/architecture.md)."""
 
 from __future__ import annotations
 

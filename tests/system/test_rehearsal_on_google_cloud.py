@@ -6,7 +6,7 @@ minutes. Skipped unless the environment gives it a project:
     MAXTEXT_SFT_GCP_RUN_CONF   the run conf, JSON: at least project_id and reservation (and
                                output_location, hub_repo_id of a private repo, to check those)
     AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT, AIRFLOW_CONN_MAXTEXT_SFT_VM_SSH, AIRFLOW_CONN_HUGGINGFACE_DEFAULT
-                               the three connections (README, Running it against Google Cloud)
+                               the three connections (docs/google-cloud.md, Connections)
 
     make test PYTEST_WORKERS=0 PYTEST_ARGS='-m gcp tests/system'
 

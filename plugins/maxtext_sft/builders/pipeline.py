@@ -116,7 +116,7 @@ def fine_tune_dag(
 
 
 # The runbook's phases, one task group each (the graph's table of contents). Task ids stay
-# unprefixed: run summaries, logs and the README's clearing table name tasks as before.
+# unprefixed: run summaries, logs and the clearing table (docs/reliability.md) name tasks as before.
 PHASES = {
     "plan": "Validate the Params, pin the dataset, check what a run needs before paying",
     "provision": "Create the VM, reach it over SSH, install MaxText",

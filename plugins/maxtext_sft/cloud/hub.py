@@ -41,7 +41,7 @@ class HuggingFaceHubHook(BaseHook):
 
     def get_conn(self) -> HfApi:
         if self._api is None:
-            from huggingface_hub import HfApi  # imported when used: DAG files stay cheap to parse (README, Architecture)
+            from huggingface_hub import HfApi  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
             connection = self.get_connection(self.hf_conn_id)
             endpoint = (connection.extra_dejson or {}).get("endpoint") or None

@@ -15,7 +15,7 @@ KEY_LIFETIME_SECONDS = 3600  # renewed at every connection; a leaked key stops w
 def os_login_username(gcp_conn_id: str, public_key: str, project_id: str) -> str:
     """Import `public_key` ("TYPE BASE64") into the connection account's OS Login profile; return
     the POSIX username to log in as."""
-    from airflow.providers.google.cloud.hooks.os_login import OSLoginHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from airflow.providers.google.cloud.hooks.os_login import OSLoginHook  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     hook = OSLoginHook(gcp_conn_id=gcp_conn_id)
     expiry_usec = int((time.time() + KEY_LIFETIME_SECONDS) * 1_000_000)

@@ -168,7 +168,7 @@ def published_eval_loss(card_text: str, spec: RunSpec) -> float | None:
     """The held-out eval loss a published model card reports in its model-index for this run's
     eval split of this dataset; None when it reports none (published before evaluation, or on
     another split or dataset: not comparable)."""
-    from huggingface_hub import ModelCard  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from huggingface_hub import ModelCard  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     try:
         results = ModelCard(card_text).data.eval_results or []
@@ -212,7 +212,7 @@ def model_card(
     """README.md of the exported model: Hub metadata in YAML front matter (with the tuned model's
     held-out eval loss as a model-index result), then the facts (`export`: the checked layout of
     the weights beside it; `eval_loss`: {"base": ..., "tuned": ...})."""
-    from huggingface_hub import EvalResult, ModelCardData  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from huggingface_hub import EvalResult, ModelCardData  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     tuned = (eval_loss or {}).get("tuned")
     eval_results = None

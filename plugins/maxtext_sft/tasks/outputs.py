@@ -250,7 +250,7 @@ class PublishToHubOperator(RunTaskOperator):
 
     def _published_by_this_run(self, api, spec: RunSpec, title: str) -> dict | None:
         """This DAG run's commit on the branch, if an earlier try published it."""
-        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
         try:
             commits = api.list_repo_commits(spec.hub_repo_id, revision=spec.hub_branch)
@@ -268,7 +268,7 @@ class PublishToHubOperator(RunTaskOperator):
     def _last_published_eval_loss(self, api, spec: RunSpec) -> float | None:
         """The eval loss in the model card on the branch (the model last published there), when
         it reports one on this run's eval split; None when nothing is published there yet."""
-        from huggingface_hub.errors import (  # imported when used: DAG files stay cheap to parse (README, Architecture)
+        from huggingface_hub.errors import (  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
             RemoteEntryNotFoundError,
             RepositoryNotFoundError,
             RevisionNotFoundError,

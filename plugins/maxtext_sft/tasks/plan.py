@@ -28,7 +28,7 @@ def plan_run(
     """Return the spec and the create requests' values; fail (without retries) on bad input.
     `rehearsal`: the spec of a rehearsal (its Params, its CPU VM); `tpu_slice`: of a multi-host
     slice (its Param, the policy, template and group that make it)."""
-    from airflow.providers.ssh.hooks.ssh import SSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from airflow.providers.ssh.hooks.ssh import SSHHook  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     dag_run = context["dag_run"]
     try:
@@ -97,7 +97,7 @@ def pin_dataset_snapshot(spec: RunSpec, dag_run, *, hf_conn_id: str, log) -> Run
     A dataset, revision or token the Hub refuses leaves the spec as it is: preflight then names
     what is wrong, with the other checks' findings.
     """
-    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     if not spec.hub_dataset:
         return spec

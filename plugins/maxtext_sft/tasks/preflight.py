@@ -50,7 +50,7 @@ def checkpoint_repo(spec: RunSpec) -> str | None:
 
 
 def check_hub_access(api: HfApi, spec: RunSpec) -> str:
-    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     try:
         user = api.whoami()["name"]
@@ -111,7 +111,7 @@ def check_eval_split(api: HfApi, storage: StorageEndpointHook, spec: RunSpec) ->
 def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, token: str) -> str:
     """The commit `revision` of Hub repo `repo` (a "model" or "dataset") resolves to, checking that
     `token` (its description, for the messages) may read its files."""
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     try:
         api.auth_check(repo, repo_type=kind)

@@ -1,7 +1,7 @@
 """Tell a job's owners that a run failed, or that the janitor deleted one of its VMs.
 
 OwnersNotifier, an Airflow notifier (BaseNotifier): a declared job's DAG uses it as its
-on_failure_callback (run by the DAG processor once the run has failed: see README, "Notifications"),
+on_failure_callback (run by the DAG processor once the run has failed: see docs/notifications.md),
 and the janitor calls it for each VM it deleted. The target is an Airflow connection, so webhook
 URLs and passwords, which are secrets, stay in the secrets backend; its type, read when the message
 is sent, picks Airflow's own notifier for it: a `slack_incoming_webhook` connection gets the Slack

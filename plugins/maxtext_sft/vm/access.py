@@ -62,7 +62,7 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran.
     """
-    from maxtext_sft.vm.ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (README, Architecture)
+    from maxtext_sft.vm.ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     target = ssh_target(spec, gcp_conn_id)
     if target["proxy_command"]:

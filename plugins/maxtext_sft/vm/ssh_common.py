@@ -1,6 +1,7 @@
 """What callers of the VM's SSH hook (vm/ssh.py) need without it: where the step scripts
 live on the VM and the errors it raises. Kept apart so that a module can name them without
-importing paramiko and the SSH provider, which DAG parsing does not need (README, Architecture).
+importing paramiko and the SSH provider, which DAG parsing does not need (docs/architecture.md,
+Cheap to parse).
 """
 
 from __future__ import annotations
