@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from localcloud.compute.emulator import NEVER_LEASED
+from localcloud.compute.leases import NEVER_LEASED
 from maxtext_sft.hooks.compute import ComputeEngineEndpointHook
 from maxtext_sft.hooks.vm_ssh_async import VmSSHHookAsync
 from maxtext_sft.triggers.training import SliceTrainingStatusTrigger, TrainingStatusTrigger
