@@ -248,7 +248,7 @@ class LocalCloud:
         self._control("DELETE", "requests")
 
     def set_faults(self, faults: dict) -> dict:
-        """Replace the compute emulator's faults (kinds and shapes: `localcloud.compute.emulator.Faults`),
+        """Replace the compute emulator's faults (kinds and shapes: `localcloud.compute.faults.Faults`),
         e.g. {"http_errors": [{"method": "GET", "path_regex": "/instances/vm-1$", "status": 503}],
         "ssh_refused": {"seconds": 20}}; {} clears them all. Returns what is set."""
         return self._control("POST", "faults", faults)

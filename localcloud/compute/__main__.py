@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from .._daemon import emulator_parser, parse_emulator_args, serve_until_stopped, take_over
-from .emulator import ComputeEmulator, make_server
+from .emulator import ComputeEmulator
+from .server import make_server
 from .vm import reap_stale
 
 log = logging.getLogger("localcloud.compute")

@@ -37,6 +37,11 @@ DISK_FOLDERS = ("home", "root", "var-tmp")
 AGENT_STATE = "guest-users.json"
 
 
+def skel(image_dir: Path | None) -> Path | None:
+    """The image's /etc/skel, which the guest agent copies a new user's home from."""
+    return image_dir / "skel" if image_dir else None
+
+
 def _copy_tree(source: Path, target: Path) -> None:
     """Copy a folder with owners, modes and symlinks kept (as a disk copy would)."""
     target.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,11 @@ instance vanished, until the group is deleted; deleting the group deletes its in
 Not emulated: resize, updates, abandon/recreate and the other IGM methods, regional MIGs,
 autohealing, list of the three collections, checks that the policy's topology matches the
 group's size and machine type, and the `created-by`/`instance-template` metadata a MIG adds.
+
+Owns: SliceResources (the slices tables: policies, templates, groups), Group, Member. Imports
+operations, resources, schema and errors; makes and deletes members through the emulator's own
+instances.insert and instances.delete (instances.py), never by importing them. Its routes are
+in server.py's table.
 """
 
 from __future__ import annotations
@@ -32,38 +37,15 @@ import secrets
 import string
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from . import errors
 from .errors import ApiError
+from .operations import Operations
+from .resources import (
+    Link, Request, check_labels, check_metadata, new_fingerprint, new_id, now_rfc3339, query_arg, relative_url,
+    validated_body, zonal_list,
+)
 from .schema import load_schemas
-
-if TYPE_CHECKING:
-    from .emulator import Request
-
-_P = r"projects/(?P<project>[^/]+)"
-ROUTES = [
-    ("POST", _P + r"/regions/(?P<region>[^/]+)/resourcePolicies", "insert_resource_policy"),
-    ("GET", _P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)", "get_resource_policy"),
-    ("DELETE", _P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)", "delete_resource_policy"),
-    ("POST", _P + r"/global/instanceTemplates", "insert_global_template"),
-    ("GET", _P + r"/global/instanceTemplates/(?P<name>[^/]+)", "get_global_template"),
-    ("DELETE", _P + r"/global/instanceTemplates/(?P<name>[^/]+)", "delete_global_template"),
-    ("POST", _P + r"/regions/(?P<region>[^/]+)/instanceTemplates", "insert_region_template"),
-    ("GET", _P + r"/regions/(?P<region>[^/]+)/instanceTemplates/(?P<name>[^/]+)", "get_region_template"),
-    ("DELETE", _P + r"/regions/(?P<region>[^/]+)/instanceTemplates/(?P<name>[^/]+)", "delete_region_template"),
-    ("POST", _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers", "insert_group"),
-    ("GET", _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers/(?P<name>[^/]+)", "get_group"),
-    ("DELETE", _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers/(?P<name>[^/]+)", "delete_group"),
-    (
-        "POST",
-        _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers/(?P<name>[^/]+)/listManagedInstances",
-        "list_managed_instances",
-    ),
-    ("GET", _P + r"/zones/(?P<zone>[^/]+)/autoscalers", "list_autoscalers"),
-    ("GET", _P + r"/regions/(?P<region>[^/]+)/operations/(?P<operation>[^/]+)", "get_region_operation"),
-    ("POST", _P + r"/regions/(?P<region>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_region_operation"),
-]
 
 # How long a group waits before trying again to create a member whose creation failed (a MIG
 # retries until it succeeds: ManagedInstance.currentAction CREATING, discovery document).
@@ -72,13 +54,6 @@ RETRY_SECONDS = 2.0
 # Member names: `<baseInstanceName>-<4 characters>`, the way a MIG names the instances it
 # creates (e.g. "my-group-x7k2"; Compute Engine's MIG docs, "Instance names").
 _SUFFIX_ALPHABET = string.ascii_lowercase + string.digits
-
-
-def _emulator():
-    """The emulator module, imported late: it imports this module to build its class."""
-    from . import emulator
-
-    return emulator
 
 
 def _in_use(kind: str, path: str, user: str) -> ApiError:
@@ -139,45 +114,23 @@ def _policy_path(key: tuple[str, str, str]) -> str:
     return f"projects/{project}/regions/{region}/resourcePolicies/{name}"
 
 
-class SliceResources:
+class SliceResources(Operations):
     """The handlers, mixed into ComputeEmulator (its lock, operations and instances)."""
 
-    # ----- operations ---------------------------------------------------------------------
-
-    def _finish_soon(self, op: dict, work=None) -> None:
-        """Carry `op` to DONE on a worker thread, after `work()` if given (clients poll it)."""
-
-        def run() -> None:
-            self._op_running(op)
-            try:
-                if work is not None:
-                    work()
-            except Exception as exc:
-                _emulator().log.exception("%s failed", op["operationType"])
-                self._op_done(op, ("INTERNAL_ERROR", f"localcloud: {exc}"), 500)
-                return
-            self._op_done(op)
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def get_region_operation(self, project: str, region: str, operation: str, req: Request) -> dict:
-        with self.lock:
-            return copy.deepcopy(self._operation(project, f"regions/{region}", operation))
-
-    def wait_region_operation(self, project: str, region: str, operation: str, req: Request) -> dict:
-        return self.wait_operation(project, f"regions/{region}", operation, req)
+    def __init__(self) -> None:
+        super().__init__()
+        self.slices = SliceState()  # resource policies, instance templates, MIGs
 
     def list_autoscalers(self, project: str, zone: str, req: Request) -> dict:
         """autoscalers.list: always empty here (no autoscaler is emulated). gcloud's `managed
         delete` lists a zone's autoscalers first, to delete the group's own before the group."""
-        return self._zonal_list("compute#autoscalerList", f"projects/{project}/zones/{zone}/autoscalers", [], req)
+        return zonal_list("compute#autoscalerList", f"projects/{project}/zones/{zone}/autoscalers", [], req)
 
     # ----- resourcePolicies ----------------------------------------------------------------
 
     def insert_resource_policy(self, project: str, region: str, req: Request) -> dict:
-        e = _emulator()
-        body = e._validated_body(req, "compute.resourcePolicies.insert", "ResourcePolicy", "resource_policy_resource")
-        request_id = e._one(req.query, "requestId")
+        body = validated_body(req, "compute.resourcePolicies.insert", "ResourcePolicy", "resource_policy_resource")
+        request_id = query_arg(req.query, "requestId")
         with self.lock:
             if replayed := self._replayed(project, request_id):
                 return replayed
@@ -187,10 +140,10 @@ class SliceResources:
             resource = copy.deepcopy(body)
             resource.update(
                 kind="compute#resourcePolicy",
-                id=e.new_id(),
-                creationTimestamp=e.now_rfc3339(),
-                region=e.Link(f"projects/{project}/regions/{region}"),
-                selfLink=e.Link(_policy_path(key)),
+                id=new_id(),
+                creationTimestamp=now_rfc3339(),
+                region=Link(f"projects/{project}/regions/{region}"),
+                selfLink=Link(_policy_path(key)),
                 status="READY",
             )
             self.slices.policies[key] = resource
@@ -198,12 +151,6 @@ class SliceResources:
                 project, None, "insert", _policy_path(key), resource["id"], request_id, region=region
             )
         return self._sent(op)
-
-    def _sent(self, op: dict) -> dict:
-        """The operation as its request is answered: copied before the worker can finish it."""
-        answer = copy.deepcopy(op)
-        self._finish_soon(op)
-        return answer
 
     def _policy(self, key: tuple[str, str, str]) -> dict:
         found = self.slices.policies.get(key)
@@ -224,7 +171,7 @@ class SliceResources:
     def _delete_unused(self, store: dict, key: tuple, path: str, kind: str, used_by, region: str | None, req) -> dict:
         """Delete `store[key]` (a policy or a template) unless a group uses it (`used_by(group)`);
         the delete's operation, as sent."""
-        request_id = _emulator()._one(req.query, "requestId")
+        request_id = query_arg(req.query, "requestId")
         project = key[0]
         with self.lock:
             if replayed := self._replayed(project, request_id):
@@ -266,10 +213,9 @@ class SliceResources:
         return found
 
     def _insert_template(self, project: str, region: str | None, req: Request) -> dict:
-        e = _emulator()
         method = "compute.regionInstanceTemplates.insert" if region else "compute.instanceTemplates.insert"
-        body = e._validated_body(req, method, "InstanceTemplate", "instance_template_resource")
-        request_id = e._one(req.query, "requestId")
+        body = validated_body(req, method, "InstanceTemplate", "instance_template_resource")
+        request_id = query_arg(req.query, "requestId")
         key = (project, f"regions/{region}" if region else "global", body["name"])
         with self.lock:
             if replayed := self._replayed(project, request_id):
@@ -277,17 +223,17 @@ class SliceResources:
             if key in self.slices.templates:
                 raise errors.already_exists(_template_path(key))
             properties = body.get("properties") or {}
-            self._check_labels(properties.get("labels") or {}, "resource.properties.labels")
-            self._check_metadata(properties.get("metadata") or {}, "resource.properties.metadata")
+            check_labels(properties.get("labels") or {}, "resource.properties.labels")
+            check_metadata(properties.get("metadata") or {}, "resource.properties.metadata")
             resource = copy.deepcopy(body)
             resource.update(
                 kind="compute#instanceTemplate",
-                id=e.new_id(),
-                creationTimestamp=e.now_rfc3339(),
-                selfLink=e.Link(_template_path(key)),
+                id=new_id(),
+                creationTimestamp=now_rfc3339(),
+                selfLink=Link(_template_path(key)),
             )
             if region:
-                resource["region"] = e.Link(f"projects/{project}/regions/{region}")
+                resource["region"] = Link(f"projects/{project}/regions/{region}")
             self.slices.templates[key] = resource
             op = self._register_operation(
                 project, None, "insert", _template_path(key), resource["id"], request_id, region=region
@@ -304,11 +250,10 @@ class SliceResources:
     # ----- instanceGroupManagers (zonal) ---------------------------------------------------
 
     def insert_group(self, project: str, zone: str, req: Request) -> dict:
-        e = _emulator()
-        body = e._validated_body(
+        body = validated_body(
             req, "compute.instanceGroupManagers.insert", "InstanceGroupManager", "instance_group_manager_resource"
         )
-        request_id = e._one(req.query, "requestId")
+        request_id = query_arg(req.query, "requestId")
         name = body["name"]
         path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{name}"
         with self.lock:
@@ -352,21 +297,21 @@ class SliceResources:
             resource = copy.deepcopy(body)
             resource.update(
                 kind="compute#instanceGroupManager",
-                id=e.new_id(),
-                creationTimestamp=e.now_rfc3339(),
-                zone=e.Link(f"projects/{project}/zones/{zone}"),
-                selfLink=e.Link(path),
-                instanceGroup=e.Link(f"projects/{project}/zones/{zone}/instanceGroups/{name}"),
-                instanceTemplate=e.Link(_template_path(template_key)),
-                versions=[{"instanceTemplate": e.Link(_template_path(template_key)), "targetSize": {"calculated": target_size}}],
+                id=new_id(),
+                creationTimestamp=now_rfc3339(),
+                zone=Link(f"projects/{project}/zones/{zone}"),
+                selfLink=Link(path),
+                instanceGroup=Link(f"projects/{project}/zones/{zone}/instanceGroups/{name}"),
+                instanceTemplate=Link(_template_path(template_key)),
+                versions=[{"instanceTemplate": Link(_template_path(template_key)), "targetSize": {"calculated": target_size}}],
                 baseInstanceName=base_name,
                 targetSize=target_size,
-                fingerprint=e.new_fingerprint(),
+                fingerprint=new_fingerprint(),
                 # The discovery document's default listing mode ("PAGELESS" unless set).
                 listManagedInstancesResults=body.get("listManagedInstancesResults", "PAGELESS"),
             )
             if policy_key:
-                resource["resourcePolicies"] = {"workloadPolicy": e.Link(_policy_path(policy_key))}
+                resource["resourcePolicies"] = {"workloadPolicy": Link(_policy_path(policy_key))}
             taken = {k[2] for k in self.instances if k[:2] == (project, zone)}
             members = []
             for _ in range(target_size):
@@ -388,7 +333,7 @@ class SliceResources:
     def _reference(self, project: str, value: str, pattern: str, field: str) -> tuple[str, str, str]:
         """(project, scope, name) of a full or partial URL to a resource (the forms the discovery
         document lists for InstanceGroupManager.instanceTemplate and resourcePolicies)."""
-        m = re.fullmatch(rf"(?:projects/(?P<project>[^/]+)/)?{pattern}", _emulator().relative_url(value))
+        m = re.fullmatch(rf"(?:projects/(?P<project>[^/]+)/)?{pattern}", relative_url(value))
         if not m:
             # "Invalid value for field 'resource.instanceTemplate': 'template'. The URL is
             # malformed." (hashicorp/terraform#22083).
@@ -403,7 +348,6 @@ class SliceResources:
 
     def _member_view(self, group: Group, member: Member) -> tuple[str, dict]:
         """A member's currentAction and its ManagedInstance (under the lock)."""
-        e = _emulator()
         inst = self.instances.get((group.project, group.zone, member.name))
         op = member.operation
         if group.deleting and inst is not None:
@@ -413,11 +357,11 @@ class SliceResources:
         else:
             action = "CREATING"
         view = {
-            "instance": e.Link(f"projects/{group.project}/zones/{group.zone}/instances/{member.name}"),
+            "instance": Link(f"projects/{group.project}/zones/{group.zone}/instances/{member.name}"),
             "name": member.name,
             "currentAction": action,
             "targetStatus": "RUNNING",
-            "version": {"instanceTemplate": e.Link(_template_path(group.template_key))},
+            "version": {"instanceTemplate": Link(_template_path(group.template_key))},
         }
         if inst is not None:
             view["id"] = inst.resource["id"]
@@ -454,8 +398,7 @@ class SliceResources:
             return {"managedInstances": [self._member_view(group, m)[1] for m in group.members]}
 
     def delete_group(self, project: str, zone: str, name: str, req: Request) -> dict:
-        e = _emulator()
-        request_id = e._one(req.query, "requestId")
+        request_id = query_arg(req.query, "requestId")
         with self.lock:
             if replayed := self._replayed(project, request_id):
                 return replayed
@@ -471,7 +414,6 @@ class SliceResources:
     def _delete_members(self, group: Group) -> None:
         """Delete every instance of the group (instances.delete's own path), wait until all are
         gone, then drop the group: its delete operation is DONE after its instances are."""
-        e = _emulator()
         keys = [(group.project, group.zone, m.name) for m in group.members]
         for key in keys:
             with self.lock:
@@ -479,7 +421,7 @@ class SliceResources:
                 busy = inst is None or inst.deleting
             if not busy:
                 try:
-                    self.delete_instance(key[0], key[1], key[2], e.Request({}, None, ""))
+                    self.delete_instance(key[0], key[1], key[2], Request({}, None, ""))
                 except ApiError:
                     pass  # gone or being deleted meanwhile
         with self.changed:
@@ -520,7 +462,6 @@ class SliceResources:
 
     def _create_member(self, group: Group, member: Member) -> None:
         """instances.insert of one member from the template's properties."""
-        e = _emulator()
         with self.lock:
             if group.deleting:
                 return
@@ -535,7 +476,7 @@ class SliceResources:
         if "machineType" in properties:
             body["machineType"] = f"zones/{group.zone}/machineTypes/{properties['machineType']}"
         try:
-            op = self.insert_instance(group.project, group.zone, e.Request({}, body, ""))
+            op = self.insert_instance(group.project, group.zone, Request({}, body, ""))
         except ApiError as exc:
             # A synchronous refusal (an invalid template for this zone, an injected rejection):
             # recorded like a failed attempt. Its `code` is the API reason here, an emulator

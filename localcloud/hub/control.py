@@ -1,5 +1,9 @@
 """/_localcloud/: the local Hub's own controls for tests (never part of the Hub's API):
-users and tokens, seeded repos and histories, access grants to gated repos, the request log."""
+users and tokens, seeded repos and histories, access grants to gated repos, the request log.
+
+Owns: ControlApi. Imports api (the HubApi whose store and accounts it changes), protocol and
+store; only server.py imports it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import re
 from pathlib import Path
 
 from .._daemon import RequestLog
-from .server import CONTROL_PREFIX, HubApi, HubError, Reply, Request
+from .api import HubApi
+from .protocol import CONTROL_PREFIX, HubError, Reply, Request
 from .store import (
     DEFAULT_BRANCH, DEFAULT_GITATTRIBUTES, REPO_TYPES, FileEntry, check_repo_path, goes_to_lfs, lfs_patterns,
     normalize_date,

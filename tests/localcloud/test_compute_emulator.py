@@ -882,45 +882,48 @@ def test_a_released_address_goes_to_the_back_of_the_queue(tmp_path, monkeypatch)
     """Another emulator on the machine (an xdist worker's) does not take the address a VM gave up
     a moment ago while older free ones exist: a check that the deleted VM no longer answers on
     its address must not meet a newer VM there."""
-    from localcloud.compute import emulator as compute_emulator
+    from localcloud.compute import leases
+    from localcloud.compute.emulator import ComputeEmulator
 
-    monkeypatch.setattr(compute_emulator, "LEASE_DIR", tmp_path / "leases")
-    first = compute_emulator.ComputeEmulator(tmp_path / "first")
-    second = compute_emulator.ComputeEmulator(tmp_path / "second")
+    monkeypatch.setattr(leases, "LEASE_DIR", tmp_path / "leases")
+    first = ComputeEmulator(tmp_path / "first")
+    second = ComputeEmulator(tmp_path / "second")
     try:
-        deleted = first._allocate_ip()
-        kept = second._allocate_ip()
+        deleted = first.leases.allocate()
+        kept = second.leases.allocate()
         assert deleted != kept
-        first._release_ip(deleted)
-        newer = [second._allocate_ip() for _ in range(3)]
+        first.leases.release(deleted)
+        newer = [second.leases.allocate() for _ in range(3)]
         assert deleted not in newer and kept not in newer and len(set(newer)) == 3
         # Among released addresses, the one released longest ago comes first.
-        second._release_ip(kept)
-        assert compute_emulator._released_at(deleted) < compute_emulator._released_at(kept)
+        second.leases.release(kept)
+        assert leases.released_at(deleted) < leases.released_at(kept)
     finally:
         for emulator in (first, second):
             emulator.shutdown()
-            for ip in list(emulator.ip_leases):
-                emulator._release_ip(ip)
+            for ip in list(emulator.leases.held):
+                emulator.leases.release(ip)
 
 
 def test_the_addresses_tests_use_for_nobody_are_never_a_vms(tmp_path, monkeypatch):
     """Tests point a login at NEVER_LEASED to meet a refused connection; an emulator that ran out
     of other addresses must answer 503, not hand one of those out to a VM."""
-    from localcloud.compute import emulator as compute_emulator
+    from localcloud.compute import leases
+    from localcloud.compute.emulator import ComputeEmulator
+    from localcloud.compute.errors import ApiError
 
-    monkeypatch.setattr(compute_emulator, "LEASE_DIR", tmp_path / "leases")
-    emulator = compute_emulator.ComputeEmulator(tmp_path / "emulator")
+    monkeypatch.setattr(leases, "LEASE_DIR", tmp_path / "leases")
+    emulator = ComputeEmulator(tmp_path / "emulator")
     try:
-        with pytest.raises(compute_emulator.ApiError) as exhausted:
+        with pytest.raises(ApiError) as exhausted:
             while True:
-                emulator._allocate_ip()
+                emulator.leases.allocate()
         assert exhausted.value.code == 503
-        assert emulator.ip_leases and not set(emulator.ip_leases) & set(compute_emulator.NEVER_LEASED)
+        assert emulator.leases.held and not set(emulator.leases.held) & set(leases.NEVER_LEASED)
     finally:
         emulator.shutdown()
-        for ip in list(emulator.ip_leases):
-            emulator._release_ip(ip)
+        for ip in list(emulator.leases.held):
+            emulator.leases.release(ip)
 
 
 def test_time_limits_delete_or_stop_the_vm_counted_from_running(compute_cloud, compute_vm, compute_discovery):

@@ -13,7 +13,7 @@ import requests
 from google.api_core import exceptions as gexc
 from googleapiclient.errors import HttpError
 
-from localcloud.compute.emulator import INSTANCE_ERRORS, error_values, fill
+from localcloud.compute.error_catalog import INSTANCE_ERRORS, error_values, fill
 from maxtext_sft.cloud.errors import Action, OperationFailed, classify
 
 WHERE = error_values("p-1", "us-east5-b", {"name": "vm-1", "reservationAffinity": {"values": ["r-1"]}})

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from localcloud.compute.emulator import NEVER_LEASED
+from localcloud.compute.leases import NEVER_LEASED
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.vm.ssh_async import VmSSHHookAsync
 from maxtext_sft.vm.training_watch import SliceTrainingStatusTrigger, TrainingStatusTrigger

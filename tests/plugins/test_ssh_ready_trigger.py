@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from localcloud.compute.emulator import NEVER_LEASED
+from localcloud.compute.leases import NEVER_LEASED
 from maxtext_sft.vm.ssh_async import VmSSHHookAsync
 from maxtext_sft.vm import ssh_ready
 from maxtext_sft.vm.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 import pytest
 from google.api_core.exceptions import NotFound
 
-from localcloud.compute.emulator import NEVER_LEASED
+from localcloud.compute.leases import NEVER_LEASED
 from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.vm.ssh import VmSSHHook

@@ -126,7 +126,7 @@ def test_a_host_key_other_than_the_published_one_is_refused(vm, connection_says,
     import json
 
     from airflow.models import Connection
-    from localcloud.compute.emulator import _unrelated_ed25519_key
+    from localcloud.compute.faults import unrelated_ed25519_key
     from maxtext_sft.vm.ssh import HostKeyMismatch
 
     conn_id = SSH_CONN_ID
@@ -140,7 +140,7 @@ def test_a_host_key_other_than_the_published_one_is_refused(vm, connection_says,
     hook = VmSSHHook(
         ssh_conn_id=conn_id,
         remote_host=address,
-        host_keys={"ssh-ed25519": _unrelated_ed25519_key()},
+        host_keys={"ssh-ed25519": unrelated_ed25519_key()},
         conn_timeout=10,
         conn_retry_attempts=1,
     )
