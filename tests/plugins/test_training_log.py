@@ -183,3 +183,28 @@ def test_the_status_trigger_names_the_full_log_first_then_shows_the_filtered_lin
     assert not [line for line in recorder.lines if "Config param" in line]
     assert TrainingStatusTrigger(**trigger.serialize()[1]).full_log == note
 
+
+def test_the_status_line_is_logged_when_it_changes_not_at_every_poll():
+    status = "MAXTEXT_SFT_STATUS state={} exit_code={} last_step={} last_loss={} out_of_data=no idle_seconds=1"
+    polls = [[status.format("running", "none", "none", "none")]] * 3 + [
+        ["I1205 21:51:51.129091 1 metric_logger.py:196] completed step: 1, seconds: 33.310, loss: 12.447",
+         status.format("running", "none", 1, 12.447)],
+        [status.format("running", "none", 1, 12.447)],
+        [status.format("succeeded", 0, 1, 12.447)],
+    ]
+
+    class Canned(TrainingStatusTrigger):
+        async def _read(self):
+            return 0, polls.pop(0)
+
+    trigger = Canned(
+        command="bash training_status.sh", run_name="run-1", stall_timeout_seconds=900,
+        ssh_conn_id="ssh", host="127.0.0.2", host_keys={}, vm_name="vm-1", project_id="p", zone="z",
+        gcp_conn_id="gcp", poll_interval=0, deadline=time.time() + 60, first_poll_after=0,
+    )
+    trigger._log, recorder = recorded_logger("status")
+    assert asyncio.run(trigger._watch())["last_step"] == 1
+    assert [line for line in recorder.lines if line.startswith("Training run-1:")] == [
+        "Training run-1: state running, last step none, loss none",
+        "Training run-1: state running, last step 1, loss 12.447",
+    ]

@@ -53,6 +53,9 @@ from maxtext_sft.triggers.vm_ssh import HeldEventTrigger, VmSshTrigger, cancel_a
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 TAIL_MARKER = "--- tail of "
 TAIL_LINES = 40
+# A watch logs the training's status line when its state or last step changes, and at least this
+# often while neither does (a compilation, an evaluation): not at every poll.
+STATUS_REPEAT_SECONDS = 300
 
 
 def status_fields(line: str) -> dict[str, str]:
@@ -337,6 +340,7 @@ class TrainingStatusTrigger(VmSshTrigger):
         answered, last_step = False, None
         unreachable_deadline = self.unreachable_deadline
         pause = self.first_poll_after
+        last_said, said_at = None, 0.0  # the status line is logged when it changes, else every few minutes
         if self.full_log:
             self.log.info("%s", self.full_log)
         while True:
@@ -366,10 +370,13 @@ class TrainingStatusTrigger(VmSshTrigger):
             if needs_the_worker(fields, self.stall_timeout_seconds):
                 return {"status": "training", "exit_status": status, "output": tail_for_the_worker(ordered),
                         "last_step": last_step, "answered": True}
-            self.log.info(
-                "Training %s: state %s, last step %s, loss %s",
-                self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
-            )
+            said = (fields.get("state"), fields.get("last_step"))
+            if said != last_said or time.monotonic() - said_at >= STATUS_REPEAT_SECONDS:
+                self.log.info(
+                    "Training %s: state %s, last step %s, loss %s",
+                    self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
+                )
+                last_said, said_at = said, time.monotonic()
             if self.checkpoints_dir and self.checkpoints_kept is not None:
                 await asyncio.to_thread(self._prune)
 
