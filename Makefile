@@ -21,32 +21,45 @@ venv: $(VENV)/.synced
 # on this machine kind: measured, half the CPU of a pipeline run in the tests (compute_v1 alone
 # is several seconds a process).
 $(VENV)/.synced: requirements-dev.lock Makefile
+	@echo "Installing the locked Python packages into $(VENV) (uv pip sync; about a minute on a fresh machine) ..."
 	@command -v uv >/dev/null || python3 -m pip install -q "uv==$(UV_VERSION)"
-	uv venv -q --allow-existing --python 3.11 $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip sync -q --compile-bytecode requirements-dev.lock
+	@started=$$(date +%s) && \
+	uv venv -q --allow-existing --python 3.11 $(VENV) && \
+	VIRTUAL_ENV=$(VENV) uv pip sync -q --compile-bytecode requirements-dev.lock && \
+	echo "Python packages installed in $$(( $$(date +%s) - started )) s"
 	@touch $@
 
-# Debian packages the local cloud and the tests need: OpenSSH's sshd plays each VM's SSH server;
+# Debian packages the local cloud and the tests need (`make run` and `make rehearse` only sshd, the
+# first of SYSTEM_DEBS): OpenSSH's sshd plays each VM's SSH server;
 # PostgreSQL is the metadata database of the tests that run a real scheduler (each session starts
 # a private server of its own, localcloud/postgres.py). The package would create and start a
 # system-wide "main" cluster that nothing here uses: a createcluster.d setting stops that.
 # Redis is the Celery broker of the deployment-shaped test (it starts a private server of its
 # own); chromium and chromium-driver run the trigger-form test; docker-compose 1.29 validates
 # docker-compose.yaml (`config` needs no Docker engine).
+SYSTEM_DEBS ?= openssh-server postgresql redis-server chromium chromium-driver docker-compose
+run rehearse: SYSTEM_DEBS = openssh-server
 system-deps:
 	@missing=""; \
-	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
-	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing="$$missing postgresql"; \
-	[ -x /usr/bin/redis-server ] || missing="$$missing redis-server"; \
-	[ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
-	[ -x /usr/bin/chromedriver ] || missing="$$missing chromium-driver"; \
-	[ -x /usr/bin/docker-compose ] || missing="$$missing docker-compose"; \
+	for deb in $(SYSTEM_DEBS); do \
+		case $$deb in \
+			openssh-server) [ -x /usr/sbin/sshd ];; \
+			postgresql) ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1;; \
+			redis-server) [ -x /usr/bin/redis-server ];; \
+			chromium) [ -x /usr/bin/chromium ];; \
+			chromium-driver) [ -x /usr/bin/chromedriver ];; \
+			docker-compose) [ -x /usr/bin/docker-compose ];; \
+		esac || missing="$$missing $$deb"; \
+	done; \
 	if [ -n "$$missing" ]; then \
+		echo "Installing Debian packages:$$missing (apt-get) ..."; \
 		case "$$missing" in *postgresql*) \
 			mkdir -p /etc/postgresql-common/createcluster.d && \
 			echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/maxtext-sft-no-main-cluster.conf;; \
 		esac; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		started=$$(date +%s); \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null && \
+		echo "Debian packages installed in $$(( $$(date +%s) - started )) s"; \
 	fi
 
 # The project's own modules compiled ahead too (the venv's are, by --compile-bytecode): each DAG
