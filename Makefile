@@ -1,5 +1,7 @@
 # The commands the README promises:
 #   make run   - the pipeline end to end in the local cloud, through Airflow's real scheduler
+#                (the real MaxText at toy size; MAXTEXT=fast: the stand-in; RUN_CONF='{"steps": 10}')
+#   make run DAG=maxtext_sft_slice - the multi-host slice DAG (v6e-16, 4 hosts) the same way, on the stand-in
 #   make rehearse - the rehearsal DAG (a CPU VM at toy size) end to end in the local cloud
 #   make test  - the test suite
 #   make dist  - the installable wheel (pyproject.toml) in dist/, for a managed Airflow
@@ -10,7 +12,9 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 UV_VERSION := 0.13.9
 RUN_CONF ?= {}
-MAXTEXT ?= real
+DAG ?= maxtext_sft
+# Empty: run_pipeline's default for the DAG (real; the slice's is fast, its only choice).
+MAXTEXT ?=
 
 .PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor
 
@@ -69,11 +73,11 @@ bytecode: venv
 	@$(PYTHON) -m compileall -q dags plugins localcloud bench tests >/dev/null
 
 run: venv system-deps bytecode
-	$(PYTHON) -m localcloud.run_pipeline --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
+	$(PYTHON) -m localcloud.run_pipeline --dag $(DAG) $(if $(MAXTEXT),--maxtext $(MAXTEXT)) --conf '$(RUN_CONF)'
 
 # The rehearsal DAG (maxtext_sft_rehearsal) end to end in the local cloud, as `run` does the real one.
 rehearse: venv system-deps bytecode
-	$(PYTHON) -m localcloud.run_pipeline --rehearsal --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
+	$(PYTHON) -m localcloud.run_pipeline --rehearsal $(if $(MAXTEXT),--maxtext $(MAXTEXT)) --conf '$(RUN_CONF)'
 
 # Four pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
 # poll, and more workers fill those waits (fresh clones here: 30 min 53 s with two workers, 24 min
