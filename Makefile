@@ -1,5 +1,7 @@
 # The commands the README promises:
 #   make run   - the pipeline end to end in the local cloud, through Airflow's real scheduler
+#                (the real MaxText at toy size; MAXTEXT=fast: the stand-in; RUN_CONF='{"steps": 10}')
+#   make run DAG=maxtext_sft_slice - the multi-host slice DAG (v6e-16, 4 hosts) the same way, on the stand-in
 #   make rehearse - the rehearsal DAG (a CPU VM at toy size) end to end in the local cloud
 #   make test  - the test suite
 #   make dist  - the installable wheel (pyproject.toml) in dist/, for a managed Airflow
@@ -10,7 +12,9 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 UV_VERSION := 0.13.9
 RUN_CONF ?= {}
-MAXTEXT ?= real
+DAG ?= maxtext_sft
+# Empty: run_pipeline's default for the DAG (real; the slice's is fast, its only choice).
+MAXTEXT ?=
 
 .PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor
 
@@ -21,32 +25,45 @@ venv: $(VENV)/.synced
 # on this machine kind: measured, half the CPU of a pipeline run in the tests (compute_v1 alone
 # is several seconds a process).
 $(VENV)/.synced: requirements-dev.lock Makefile
+	@echo "Installing the locked Python packages into $(VENV) (uv pip sync; about a minute on a fresh machine) ..."
 	@command -v uv >/dev/null || python3 -m pip install -q "uv==$(UV_VERSION)"
-	uv venv -q --allow-existing --python 3.11 $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip sync -q --compile-bytecode requirements-dev.lock
+	@started=$$(date +%s) && \
+	uv venv -q --allow-existing --python 3.11 $(VENV) && \
+	VIRTUAL_ENV=$(VENV) uv pip sync -q --compile-bytecode requirements-dev.lock && \
+	echo "Python packages installed in $$(( $$(date +%s) - started )) s"
 	@touch $@
 
-# Debian packages the local cloud and the tests need: OpenSSH's sshd plays each VM's SSH server;
+# Debian packages the local cloud and the tests need (`make run` and `make rehearse` only sshd, the
+# first of SYSTEM_DEBS): OpenSSH's sshd plays each VM's SSH server;
 # PostgreSQL is the metadata database of the tests that run a real scheduler (each session starts
 # a private server of its own, localcloud/postgres.py). The package would create and start a
 # system-wide "main" cluster that nothing here uses: a createcluster.d setting stops that.
 # Redis is the Celery broker of the deployment-shaped test (it starts a private server of its
 # own); chromium and chromium-driver run the trigger-form test; docker-compose 1.29 validates
 # docker-compose.yaml (`config` needs no Docker engine).
+SYSTEM_DEBS ?= openssh-server postgresql redis-server chromium chromium-driver docker-compose
+run rehearse: SYSTEM_DEBS = openssh-server
 system-deps:
 	@missing=""; \
-	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
-	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing="$$missing postgresql"; \
-	[ -x /usr/bin/redis-server ] || missing="$$missing redis-server"; \
-	[ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
-	[ -x /usr/bin/chromedriver ] || missing="$$missing chromium-driver"; \
-	[ -x /usr/bin/docker-compose ] || missing="$$missing docker-compose"; \
+	for deb in $(SYSTEM_DEBS); do \
+		case $$deb in \
+			openssh-server) [ -x /usr/sbin/sshd ];; \
+			postgresql) ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1;; \
+			redis-server) [ -x /usr/bin/redis-server ];; \
+			chromium) [ -x /usr/bin/chromium ];; \
+			chromium-driver) [ -x /usr/bin/chromedriver ];; \
+			docker-compose) [ -x /usr/bin/docker-compose ];; \
+		esac || missing="$$missing $$deb"; \
+	done; \
 	if [ -n "$$missing" ]; then \
+		echo "Installing Debian packages:$$missing (apt-get) ..."; \
 		case "$$missing" in *postgresql*) \
 			mkdir -p /etc/postgresql-common/createcluster.d && \
 			echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/maxtext-sft-no-main-cluster.conf;; \
 		esac; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		started=$$(date +%s); \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null && \
+		echo "Debian packages installed in $$(( $$(date +%s) - started )) s"; \
 	fi
 
 # The project's own modules compiled ahead too (the venv's are, by --compile-bytecode): each DAG
@@ -56,11 +73,11 @@ bytecode: venv
 	@$(PYTHON) -m compileall -q dags plugins localcloud bench tests >/dev/null
 
 run: venv system-deps bytecode
-	$(PYTHON) -m localcloud.run_pipeline --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
+	$(PYTHON) -m localcloud.run_pipeline --dag $(DAG) $(if $(MAXTEXT),--maxtext $(MAXTEXT)) --conf '$(RUN_CONF)'
 
 # The rehearsal DAG (maxtext_sft_rehearsal) end to end in the local cloud, as `run` does the real one.
 rehearse: venv system-deps bytecode
-	$(PYTHON) -m localcloud.run_pipeline --rehearsal --maxtext $(MAXTEXT) --conf '$(RUN_CONF)'
+	$(PYTHON) -m localcloud.run_pipeline --rehearsal $(if $(MAXTEXT),--maxtext $(MAXTEXT)) --conf '$(RUN_CONF)'
 
 # Four pytest-xdist workers on two cores: much of a test is waiting on a VM, a scheduler or a
 # poll, and more workers fill those waits (fresh clones here: 30 min 53 s with two workers, 24 min

@@ -40,6 +40,21 @@ LOCAL_OUTPUTS_CONF = {
 }
 
 
+# The slice DAG's run in the local cloud (`make run DAG=maxtext_sft_slice`), over LOCAL_RUN_CONF: a
+# v6e-16 (4 hosts of ct6e-standard-4t) in a reservation of its own (run_pipeline adds it), its
+# checkpoints in the local bucket (a slice needs an output location), published to the local Hub.
+LOCAL_SLICE_HOSTS = 4
+LOCAL_SLICE_MACHINE_TYPE = "ct6e-standard-4t"
+LOCAL_SLICE_CONF = {
+    "reservation": "local-slice-reservation",
+    "tpu_slice": "v6e-16",
+    "machine_type": LOCAL_SLICE_MACHINE_TYPE,  # the slice DAG's default too: what the reservation holds
+    "output_location": f"gs://{LOCAL_BUCKET}/maxtext-sft-slice",
+    "hub_repo_id": f"{LOCAL_HUB_USER}/gemma3-4b-sft-slice",
+    "steps": 12,
+}
+
+
 # What the tutorial's run reads from the Hub, as the local Hub holds it (the preflight checks them;
 # the MaxText stand-in and the real image's toy do not download them).
 LOCAL_HUB_MODEL = "google/gemma-3-4b-it"  # gated, like the real one

@@ -41,6 +41,7 @@ import py_compile
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 # Bump when the way images are built changes, to invalidate cached images.
@@ -121,9 +122,16 @@ def _build_cached(kind: str, recipe: str, build, cache_root: Path | None) -> Pat
     return image_dir
 
 
+def _say(text: str) -> None:
+    """A build's progress, as it goes (`make run` prints it; a test captures it)."""
+    print(f"  image: {text}", flush=True)
+
+
 def _build_into(kind: str, recipe: str, build, image_dir: Path) -> None:
     cache_root = image_dir.parent
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=cache_root))
+    started = time.monotonic()
+    _say(f"building the {kind} image into {image_dir} (once per recipe) ...")
     try:
         build(tmp_dir)
         (tmp_dir / "image.json").write_text(json.dumps({
@@ -137,6 +145,7 @@ def _build_into(kind: str, recipe: str, build, image_dir: Path) -> None:
             if not image_dir.is_dir():
                 raise
             # A concurrent builder finished first; its image is as good as ours.
+        _say(f"the {kind} image built in {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
@@ -316,6 +325,7 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
     venv = image_dir / VENV_NAME
     # Relocatable: activate and console scripts find the venv from their own location, so they work
     # from the final image dir (the build happens in a temp dir) and through ~/maxtext_venv.
+    _say("installing MaxText 0.2.2, JAX, the CPU torch and their locked dependencies into its venv (uv) ...")
     _run_uv("venv", "-q", "--relocatable", "--python", SYSTEM_PYTHON, str(venv))
     python = str(venv / "bin" / "python3")
     # Exactly the locked set: --no-deps (no resolution), hashes required; pyc compiled now because
@@ -327,6 +337,7 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
     _run_uv("pip", "install", "-q", "--python", python, "--no-deps", "--require-hashes", "--compile-bytecode",
             "--python-version", "3.12", "-r", str(REAL_WHEEL_LOCK))
 
+    _say("making the toy inputs (a tiny gemma3-4b-shaped checkpoint, a tokenizer, small chat datasets) ...")
     made = subprocess.run([python, str(TOY_GENERATOR), str(image_dir / "toy")], env=_toy_env(), cwd=image_dir,
                           capture_output=True, text=True)
     if made.returncode != 0:
@@ -347,6 +358,7 @@ def _build_real(image_dir: Path, final_dir: Path) -> None:
     (skel / VENV_NAME).symlink_to(final_dir / VENV_NAME)
 
     # Refuse to publish an image whose venv does not work (HF_HUB_OFFLINE unset: the hook sets it).
+    _say("checking the venv (MaxText's imports, the tokenizer) ...")
     env = _toy_env()
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         env.pop(key)

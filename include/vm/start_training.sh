@@ -5,9 +5,11 @@
 # asks it with metrics_file. Safe to run twice: a running or finished training is left alone; a
 # failed one is started again and MaxText resumes from its latest checkpoint (appending to the
 # same metrics file). When the training exits, its "completed step" lines (at most 2000, as
-# loss_history.sh thins them) are copied to STEP_LINES_URI and the metrics file to METRICS_URI
-# (gs://..., or "" for none) before the exit code is written: the final loss, the loss history
-# and the eval results then outlive a VM that stops itself, or is lost, after the training ended.
+# loss_history.sh thins them) are copied to STEP_LINES_URI, the metrics file to METRICS_URI and
+# the whole log to LOG_URI (gs://..., or "" for none) before the exit code is written: the final
+# loss, the loss history, the eval results and the log (the task log shows only its step lines,
+# evaluations, warnings and errors) then outlive a VM that stops itself, or is lost, after the
+# training ended.
 #
 # On a multi-host TPU slice this script runs on every host, each with its own WORKER_ID; the
 # hosts' trainings form one multi-controller JAX run (MaxText calls jax.distributed.initialize()
@@ -24,7 +26,7 @@
 # Every host must reach the first one on that port. A single VM (WORKER_HOSTNAMES "localhost",
 # HOST_BOUNDS 1,1,1, WORKER_ID 0) gets the tutorial's environment and no coordinator address.
 # Usage: start_training.sh WORK_DIR RUN_NAME ACCELERATOR_TYPE TOPOLOGY CHIPS_PER_HOST_BOUNDS HOST_BOUNDS
-#            WORKER_ID WORKER_HOSTNAMES STEP_LINES_URI METRICS_URI [MAXTEXT_ARG...]
+#            WORKER_ID WORKER_HOSTNAMES STEP_LINES_URI METRICS_URI LOG_URI [MAXTEXT_ARG...]
 #        WORKER_HOSTNAMES: every host's address (host name or IPv4), comma-separated, in worker order
 #        (HF token on stdin or in HF_TOKEN)
 set -euo pipefail
@@ -40,7 +42,8 @@ worker_id=$7
 worker_hostnames=$8
 step_lines_uri=$9
 metrics_uri=${10}
-shift 10
+log_uri=${11}
+shift 11
 
 # The host's place in the slice, checked before anything starts: a wrong one would only show as
 # a slice that never forms (every host waiting for the coordinator until JAX's timeout).
@@ -83,7 +86,7 @@ fi
 # The exit code is written via a rename, so a reader never sees a half-written file.
 # shellcheck disable=SC2016
 setsid nohup bash -c '
-  job_dir=$1 scripts=$2 work_dir=$3 run_name=$4 step_lines_uri=$5 metrics_uri=$6; shift 6
+  job_dir=$1 scripts=$2 work_dir=$3 run_name=$4 step_lines_uri=$5 metrics_uri=$6 log_uri=$7; shift 7
   # PYTHONFAULTHANDLER: a crash in native code (exit 139, SIGSEGV) prints the Python stack of
   # every thread into the log, which names where it happened.
   PYTHONFAULTHANDLER=1 python3 -m maxtext.trainers.post_train.sft.train_sft "$@" \
@@ -93,14 +96,19 @@ setsid nohup bash -c '
   if [ -n "$step_lines_uri" ]; then
     { bash "$scripts/loss_history.sh" "$work_dir" "$run_name" 2000 >"$job_dir/step-lines.log" &&
       gcloud storage cp "$job_dir/step-lines.log" "$step_lines_uri"; } >"$job_dir/step-lines.upload.log" 2>&1 ||
-      echo "could not copy the step lines to $step_lines_uri (see $job_dir/step-lines.upload.log)" >>"$job_dir/train.log"
+      echo "WARNING: could not copy the step lines to $step_lines_uri (see $job_dir/step-lines.upload.log)" >>"$job_dir/train.log"
   fi
   if [ -n "$metrics_uri" ] && [ -f "$job_dir/metrics.jsonl" ]; then
     gcloud storage cp "$job_dir/metrics.jsonl" "$metrics_uri" >"$job_dir/metrics.upload.log" 2>&1 ||
-      echo "could not copy the metrics to $metrics_uri (see $job_dir/metrics.upload.log)" >>"$job_dir/train.log"
+      echo "WARNING: could not copy the metrics to $metrics_uri (see $job_dir/metrics.upload.log)" >>"$job_dir/train.log"
+  fi
+  # The log last, so that a warning above is in the copy too.
+  if [ -n "$log_uri" ]; then
+    gcloud storage cp "$job_dir/train.log" "$log_uri" >"$job_dir/log.upload.log" 2>&1 ||
+      echo "WARNING: could not copy this log to $log_uri (see $job_dir/log.upload.log)" >>"$job_dir/train.log"
   fi
   echo $status >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
-' train_sft "$job_dir" "$(cd "$(dirname "$0")" && pwd)" "$work_dir" "$run_name" "$step_lines_uri" "$metrics_uri" "$@" \
+' train_sft "$job_dir" "$(cd "$(dirname "$0")" && pwd)" "$work_dir" "$run_name" "$step_lines_uri" "$metrics_uri" "$log_uri" "$@" \
   </dev/null >/dev/null 2>&1 &
 echo $! >"$job_dir/pid"
 echo "Started training $run_name (pid $!); log: $job_dir/train.log"

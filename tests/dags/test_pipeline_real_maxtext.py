@@ -52,10 +52,18 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     published = airflow.xcom(run_id, "publish_to_hub")
     assert published["published"] is True and published["commit"], published
     # Each training step was logged once, with its loss, as training went.
-    log = "\n".join(str(line) for line in airflow.task_log(run_id, "wait_for_final_checkpoint"))
+    entries = [entry.get("event", "") if isinstance(entry, dict) else str(entry)
+               for entry in airflow.task_log(run_id, "wait_for_final_checkpoint")]
+    log = "\n".join(entries)
     logged = [int(step) for step in re.findall(r"training progress: step (\d+), loss [0-9.]+", log)]
     assert sorted(set(logged)) == list(range(1, STEPS + 1))
     assert len(logged) == STEPS
+    # What a person reads: the first step line early, MaxText's config dump (hundreds of lines
+    # before it) and import noise only in the full log, which the log names.
+    first_step = next(i for i, entry in enumerate(entries) if "completed step: " in entry)
+    assert first_step < 50, entries[: first_step + 1]
+    assert not [entry for entry in entries if "Config param" in entry]
+    assert "eval metrics after step: 0," in log and f"eval metrics after step: {STEPS}," in log
     # MaxText committed a checkpoint every step (a tenth of 4, rounded up) and the sensor pruned
     # all but the newest two while the real Orbax went on writing.
     bucket_name, _, prefix = LOCAL_OUTPUTS_CONF["output_location"].removeprefix("gs://").partition("/")
@@ -70,6 +78,10 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     committed = {int(m.group(1)) for n in names if (m := re.match(r"checkpoints/(\d+)/commit_success.txt$", n))}
     assert committed == {STEPS - 1, STEPS}, names
     assert any(n.startswith("tensorboard/") for n in names), names
+    # The full log, config dump and all, was copied beside them as the training exited.
+    full_log = client.bucket(bucket_name).blob(f"{run_prefix}training.log").download_as_text()
+    assert "Config param " in full_log and f"completed step: {STEPS}," in full_log
+    assert f"gs://{bucket_name}/{run_prefix}training.log once the training exits" in log
 
     # MaxText sharded the export (the toy image lowers its 3 GiB threshold, as a 4B export
     # exceeds it): the record names the shards, and the index and each shard are in storage...

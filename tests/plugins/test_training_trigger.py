@@ -253,12 +253,12 @@ def test_a_byte_that_is_not_utf8_is_logged_replaced_and_the_vm_stays_answered(vm
     its lines), nor taken for one without a status."""
     spec, address, keys, hook = vm
     fake_training(spec, hook, steps=2, alive=True, exit_code=None)
-    run_on_vm(hook, rf"""printf 'bar \377\376 50%%\ncompleted step: 3, seconds: 1.0, loss: 1.70\n' >>"{job_dir(spec)}/train.log" """)
+    run_on_vm(hook, rf"""printf 'WARNING: bar \377\376 50%%\ncompleted step: 3, seconds: 1.0, loss: 1.70\n' >>"{job_dir(spec)}/train.log" """)
     capsys.readouterr()
     event = first_event(trigger_for(spec, address, keys, stall_timeout_seconds=-1))
     assert event["status"] == "training" and event["answered"] is True, event
     logged = capsys.readouterr().out
-    assert "bar \ufffd\ufffd 50%" in logged
+    assert "WARNING: bar \ufffd\ufffd 50%" in logged
     assert "training progress: step 3, loss 1.70" in logged
 
 

@@ -25,9 +25,11 @@ def label_value(text: str) -> str:
 # Orbax writes this into a checkpoint step folder on GCS after every other file of the step.
 ORBAX_COMMIT_MARKER = "commit_success.txt"
 # What start_training.sh copies into the run's folder in storage as the training exits (its
-# STEP_LINES_URI and METRICS_URI arguments): the log's step lines and MaxText's metrics file.
+# STEP_LINES_URI, METRICS_URI and LOG_URI arguments): the log's step lines, MaxText's metrics file
+# and its full log.
 TRAINING_STEPS_NAME = "training-steps.log"
 TRAINING_METRICS_NAME = "training-metrics.jsonl"
+TRAINING_LOG_NAME = "training.log"
 
 
 def split_gcs_uri(uri: str) -> tuple[str, str]:
@@ -161,6 +163,12 @@ class RunPaths:
         """MaxText's metrics file (train and eval losses by step), copied there when the training
         exits: the loss history and the eval results outlive the VM. None without an output location."""
         return f"{self.run_output_dir}/{TRAINING_METRICS_NAME}" if self.output_location else None
+
+    @property
+    def training_log_uri(self) -> str | None:
+        """MaxText's full log (its config dump and warnings too: the task log shows only some of
+        it), copied there when the training exits. None without an output location."""
+        return f"{self.run_output_dir}/{TRAINING_LOG_NAME}" if self.output_location else None
 
     @property
     def run_record_uri(self) -> str | None:

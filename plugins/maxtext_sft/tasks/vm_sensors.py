@@ -41,6 +41,7 @@ from maxtext_sft.vm.training_watch import (
     TrainingStatusTrigger,
     log_training_lines,
     prune_checkpoints,
+    spec_full_log_note,
     status_last,
     training_died,
     training_watch_kwargs,
@@ -545,6 +546,8 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         self._note_last_step(context, _number(fields.get("last_step")))
         self._prune_checkpoints(spec)
         if not logged:
+            if not self.deferrable:  # deferred, each watch of the trigger names it as it starts
+                self._note_full_log(context, spec)
             log_training_lines(self.log, output[:-1])
         state = fields.get("state")
         if fields.get("reason") == "no-training-started":
@@ -617,6 +620,13 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
                 on_line=output.append,
             )
         return status, output
+
+    def _note_full_log(self, context, spec: RunSpec) -> None:
+        """Say where the training's full log is, once a try (the task log shows only some of it)."""
+        store, key = self._state(context, self._try_key(context, "full_log_noted"))
+        if not store.get(key):
+            self.log.info("%s", spec_full_log_note(spec))
+            store.set(key, True)
 
     def _note_last_step(self, context, step: float | int | None) -> None:
         """Keep the last training step seen: a recovery's record says how many steps it lost."""

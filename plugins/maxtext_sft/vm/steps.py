@@ -89,9 +89,10 @@ STEPS: dict[str, VmStep] = {
             s.tpu["host_bounds"],
             str(s.host_index),
             ",".join(s.worker_hostnames) or "localhost",
-            # Host 0's step lines and metrics are the run's (every host logs the same losses).
+            # Host 0's step lines, metrics and log are the run's (every host logs the same losses).
             (s.training_steps_uri or "") if s.host_index == 0 else "",
             (s.training_metrics_uri or "") if s.host_index == 0 else "",
+            (s.training_log_uri or "") if s.host_index == 0 else "",
             # "resuming": set by a VM recovery (tasks/vm_sensors.py), not by the DAG's start_training.
             *s.train_args(results.get("base_checkpoint"), resuming=results.get("resuming") == "yes"),
         ],

@@ -2,9 +2,12 @@
 
 Each poll opens one SSH connection to the VM (vm/ssh_async.py: asyncssh, only the host keys
 the VM published are accepted), runs training_status.sh (uploaded by the worker before it
-deferred; it gets no secret) and logs its new lines and each step's loss: a deferred task's
-triggerer log is part of its task log. With `checkpoints_kept`, each poll also deletes the
-committed checkpoints older than the newest ones kept.
+deferred; it gets no secret) and logs what a person reads of its new lines (`TrainingLogFilter`:
+step lines, evaluations, warnings and errors, not MaxText's config dump and import noise) and each
+step's loss: a deferred task's triggerer log is part of its task log. A watch starts by naming
+where the full log is (on the VM, and in storage once the training exits). With
+`checkpoints_kept`, each poll also deletes the committed checkpoints older than the newest ones
+kept.
 
 Events (one, then the trigger ends); each carries `last_step` (the last step seen, or None) and
 `answered` (whether some poll reached the VM):
@@ -50,6 +53,9 @@ from maxtext_sft.vm.trigger_ssh import HeldEventTrigger, VmSshTrigger, cancel_al
 STATUS_LINE = re.compile(r"^MAXTEXT_SFT_STATUS (.*)$")
 TAIL_MARKER = "--- tail of "
 TAIL_LINES = 40
+# A watch logs the training's status line when its state or last step changes, and at least this
+# often while neither does (a compilation, an evaluation): not at every poll.
+STATUS_REPEAT_SECONDS = 300
 
 
 def status_fields(line: str) -> dict[str, str]:
@@ -116,11 +122,129 @@ def unanswered_errors() -> tuple[type[BaseException], ...]:
     return (OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
 
 
-def log_training_lines(log: Any, lines: list[str]) -> None:
-    """The training's new log lines, and each step's loss."""
-    for line in lines:
-        log.info("%s", line)
-        if progress := STEP_LINE.search(line):
+# ----- what of MaxText's log the task log shows ---------------------------------------------------
+#
+# MaxText 0.2.2 writes ~1,000 lines before its first step on CPU and more on a TPU VM: its config
+# dump (one `pyconfig.py] Config param NAME: VALUE` line per setting), TensorFlow's and XLA's
+# start-up notes, Orbax's checkpoint chatter, tqdm's progress bar (\r-separated, and a log line
+# may follow it on the same line). The task log shows what a person reads: the step lines and the
+# evaluations (with a few landmarks: an evaluation starting, a resume, the end of the loop), the
+# warnings and errors (absl/glog's W, E and F lines, C++ ones too; Python warnings; `ERROR`,
+# `WARNING`, exception and crash lines; tracebacks and faulthandler's thread stacks whole), and the
+# pipeline's own WARNING lines. A warning or error identical to one shown already (timestamps and
+# thread ids aside; for a Python warning, the same category at the same place) is shown once. The
+# full log stays on the VM and is copied to storage when the training exits (start_training.sh).
+
+# absl (Python) and glog (C++) records: "W1205 21:50:44.084530 140475398304448 pyconfig.py:100] ..."
+ABSL_RECORD = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([^\s\]]+:\d+)\] ?(.*)")
+# TensorFlow's and XLA's C++ records: "2026-12-05 21:50:44.082870: E external/.../cuda_platform.cc:51] ..."
+NATIVE_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF]) ([^\s\]]+)\] ?(.*)")
+# Where a record starts after other text on the same line (a progress bar's, without a newline).
+GLUED_RECORD = re.compile(r"(?<=.)(?=[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\s\]]+:\d+\] )")
+# Python's warnings: "/path/file.py:273: FutureWarning: message" (the source line follows, indented).
+PYTHON_WARNING = re.compile(r"(\S.*?):(\d+): ([A-Za-z_]\w*Warning): (.*)")
+# MaxText's metric_logger: a step's loss, time and throughput ("[Rampup Batch Size Phase]" may come
+# first), an evaluation's loss and perplexity: shown whatever comes before them on their line.
+STEP_OR_EVAL = re.compile(r"completed step: \d|eval metrics after step: \d")
+# What else MaxText and Tunix log at INFO that a person follows a training by.
+INFO_SHOWN = (
+    "Running evaluation on train step",  # Tunix: an evaluation starts
+    "Restored params from step",  # Tunix: a training resumed from a checkpoint
+    "Exception in load_next_",  # MaxText's SFT hooks: the data ran out (or failed)
+    "Train loop finished in",
+)
+SEVERITY_WORD = re.compile(r"(ERROR|WARNING|CRITICAL|FATAL)\b")
+# An exception's own line ("ValueError: ...", "jaxlib...XlaRuntimeError: INTERNAL: ..."), and a
+# process's death as the shell or the loader reports it.
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)")
+DEATH_WORDS = re.compile(r"\b(Killed|Segmentation fault|Aborted|No module named|command not found)\b")
+TRACEBACK_START = "Traceback (most recent call last):"
+CHAINED_EXCEPTION = ("During handling of the above exception", "The above exception was the direct cause")
+# faulthandler (PYTHONFAULTHANDLER=1, start_training.sh): "Fatal Python error: ...", then each
+# thread's stack under "Thread 0x... (most recent call first):".
+THREAD_STACK = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):")
+
+
+def log_records(line: str) -> list[str]:
+    """One line of the log as the records in it: tqdm's redraws (carriage-return-separated) apart,
+    and a log record written after a progress bar (no newline between them) apart from the bar."""
+    records = []
+    for piece in line.split("\r"):
+        records += [record.rstrip() for record in GLUED_RECORD.split(piece)]
+    return [record for record in records if record]
+
+
+class TrainingLogFilter:
+    """Which of the training log's lines the task log shows (see above). Keeps what it has seen
+    across calls: a traceback split across two polls stays whole, a repeated warning is shown once."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, ...]] = set()
+        self.stack: str | None = None  # within a traceback ("traceback") or a thread stack ("threads")
+
+    def shown(self, lines: list[str]) -> list[str]:
+        """Of the log's new `lines`, the records to show, in order."""
+        return [record for line in lines for record in log_records(line) if self._shows(record)]
+
+    def _once(self, *key: str) -> bool:
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def _shows(self, record: str) -> bool:
+        if self.stack:
+            if record[0].isspace():
+                return True  # a frame, or its source line
+            ended, self.stack = self.stack, None
+            if ended == "traceback":
+                return True  # the exception's own line ends a traceback
+        if record.startswith(TRACEBACK_START):
+            self.stack = "traceback"
+            return True
+        if THREAD_STACK.match(record):
+            self.stack = "threads"
+            return True
+        if record.startswith(("Fatal Python error", *CHAINED_EXCEPTION)) or STEP_OR_EVAL.search(record):
+            return True
+        if match := ABSL_RECORD.match(record) or NATIVE_RECORD.match(record):
+            severity, where, message = match.groups()
+            if severity == "I":  # a few landmarks; MaxText also logs some errors at INFO ("ERROR: ...")
+                return message.startswith(INFO_SHOWN) or bool(SEVERITY_WORD.match(message))
+            return self._once(severity, where, message)
+        if match := PYTHON_WARNING.match(record):
+            return self._once(match.group(1), match.group(2), match.group(3))
+        if record[0].isspace():
+            return False  # a Python warning's source line, a config dump's continuation
+        return bool(SEVERITY_WORD.match(record) or EXCEPTION_LINE.match(record) or DEATH_WORDS.search(record))
+
+
+def full_log_note(vm_name: str, log_path: str, log_uri: str | None) -> str:
+    """Where the training's full log is: on the VM, and in storage once the training exits."""
+    where = f"on VM {vm_name} at {log_path}"
+    if log_uri:
+        where += f", and at {log_uri} once the training exits"
+    return (
+        f"MaxText's full log (its config dump and start-up output too) is {where}; "
+        "this log shows its step lines, evaluations, warnings and errors"
+    )
+
+
+def spec_full_log_note(spec) -> str:
+    """full_log_note for `spec`'s training (a RunSpec)."""
+    return full_log_note(spec.vm_name, f"{spec.work_dir}/maxtext-sft-runs/{spec.run_name}/train.log",
+                         spec.training_log_uri)
+
+
+def log_training_lines(log: Any, lines: list[str], shown: TrainingLogFilter | None = None) -> None:
+    """What a person reads of the training's new log lines (`shown`: the filter of the watch, which
+    remembers what it showed), and each step's loss. The failure's "--- tail" that
+    training_status.sh adds is not new: the worker's failure message carries it."""
+    shown = shown or TrainingLogFilter()
+    end = next((i for i, line in enumerate(lines) if line.startswith(TAIL_MARKER)), len(lines))
+    for record in shown.shown(lines[:end]):
+        log.info("%s", record)
+        if progress := STEP_LINE.search(record):
             log.info("training progress: step %s, loss %s", *progress.groups())
 
 
@@ -149,6 +273,7 @@ class TrainingStatusTrigger(VmSshTrigger):
         unreachable_deadline: float | None = None,
         checkpoints_dir: str | None = None,
         checkpoints_kept: int | None = None,
+        full_log: str | None = None,
         **kwargs,  # VmSshTrigger's: where the VM is, how to log in, the polls' pace and deadline
     ):
         super().__init__(**kwargs)
@@ -158,6 +283,8 @@ class TrainingStatusTrigger(VmSshTrigger):
         self.unreachable_deadline = None if unreachable_deadline is None else float(unreachable_deadline)
         self.checkpoints_dir = checkpoints_dir
         self.checkpoints_kept = checkpoints_kept
+        self.full_log = full_log  # full_log_note's text, logged as the watch starts
+        self.shown = TrainingLogFilter()
 
     def _kwargs(self) -> dict[str, Any]:
         return {
@@ -168,6 +295,7 @@ class TrainingStatusTrigger(VmSshTrigger):
             "unreachable_deadline": self.unreachable_deadline,
             "checkpoints_dir": self.checkpoints_dir,
             "checkpoints_kept": self.checkpoints_kept,
+            "full_log": self.full_log,
         }
 
     async def _read(self) -> tuple[int, list[str]]:
@@ -212,6 +340,9 @@ class TrainingStatusTrigger(VmSshTrigger):
         answered, last_step = False, None
         unreachable_deadline = self.unreachable_deadline
         pause = self.first_poll_after
+        last_said, said_at = None, 0.0  # the status line is logged when it changes, else every few minutes
+        if self.full_log:
+            self.log.info("%s", self.full_log)
         while True:
             await asyncio.sleep(max(0.0, min(pause, self.deadline - time.time())))
             pause = self.poll_interval
@@ -235,14 +366,17 @@ class TrainingStatusTrigger(VmSshTrigger):
                         "answered": True}
             fields = status_fields(ordered[-1])
             last_step = number(fields.get("last_step"))
-            log_training_lines(self.log, ordered[:-1])
+            log_training_lines(self.log, ordered[:-1], self.shown)
             if needs_the_worker(fields, self.stall_timeout_seconds):
                 return {"status": "training", "exit_status": status, "output": tail_for_the_worker(ordered),
                         "last_step": last_step, "answered": True}
-            self.log.info(
-                "Training %s: state %s, last step %s, loss %s",
-                self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
-            )
+            said = (fields.get("state"), fields.get("last_step"))
+            if said != last_said or time.monotonic() - said_at >= STATUS_REPEAT_SECONDS:
+                self.log.info(
+                    "Training %s: state %s, last step %s, loss %s",
+                    self.run_name, fields.get("state"), fields.get("last_step"), fields.get("last_loss"),
+                )
+                last_said, said_at = said, time.monotonic()
             if self.checkpoints_dir and self.checkpoints_kept is not None:
                 await asyncio.to_thread(self._prune)
 
@@ -259,6 +393,7 @@ def training_watch_kwargs(spec) -> dict[str, Any]:
         "stall_timeout_seconds": spec.stall_timeout_seconds,
         "checkpoints_dir": spec.checkpoints_dir if spec.durable and spec.checkpoints_kept is not None else None,
         "checkpoints_kept": spec.checkpoints_kept,
+        "full_log": spec_full_log_note(spec),
     }
 
 
