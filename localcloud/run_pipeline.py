@@ -123,8 +123,8 @@ def report(airflow: Airflow, run: dict, cloud: LocalCloud, started: float) -> bo
             print(f"  {key:<16} {record.get(key)}")
         weights = record.get("hf_export_weight_files") or []
         print(f"  {'weights':<16} {record.get('hf_export_layout')}: {', '.join(weights)}")
-        if str(record.get("checkpoints")).startswith("gs://"):  # beside them: start_training.sh's copy
-            print(f"  {'training log':<16} {record['checkpoints'].rsplit('/', 1)[0]}/training.log (MaxText's full log)")
+        if record.get("training_log"):
+            print(f"  {'training log':<16} {record['training_log']} (MaxText's full log)")
     published = airflow.xcom(run_id, "publish_to_hub")
     if published and published.get("published"):
         print(f"  published to     {cloud.hub.endpoint}/{published['repo_id']} ({published['branch']}), "

@@ -73,6 +73,7 @@ def test_checkpoints_export_card_and_record_are_in_the_bucket(durable_run, bucke
     assert record["hf_export_weight_files"] == [name.removeprefix("hf-export/") for name in shards]
     assert record["checkpoints_durable"] is True
     assert record["checkpoints"] == f"gs://{BUCKET}/{run_prefix}checkpoints"
+    assert record["training_log"] == f"gs://{BUCKET}/{run_prefix}training.log"
     assert record["hf_export"] == f"gs://{BUCKET}/{run_prefix}hf-export"
     assert record["base_checkpoint"].startswith(f"gs://{BUCKET}/sft/base-checkpoints/gemma3-4b/")
     assert record == run.xcoms["collect_outputs.return_value"]

@@ -82,10 +82,12 @@ def test_the_record_says_whether_checkpoints_were_durable():
     record = run_record(durable, training={"final_step": 3, "final_loss": "1.0"}, base_checkpoint="gs://c",
                         hf_export=durable.hf_export_uri)
     assert record["checkpoints"] == durable.checkpoints_dir and record["checkpoints_durable"] is True
+    assert record["training_log"] == f"{durable.run_output_dir}/training.log"
     assert record["model_card"] == f"{durable.hf_export_uri}/README.md"
     local = make_spec()
     record = run_record(local, training={}, base_checkpoint=None, hf_export="host:/x")
     assert record["checkpoints"] is None and record["checkpoints_durable"] is False
+    assert record["training_log"] is None  # no storage: the full log stays on the VM
 
 
 def test_the_record_keeps_the_losses_the_eval_results_and_where_they_and_the_chart_went():

@@ -321,6 +321,7 @@ def run_record(
         "base_checkpoint": base_checkpoint,
         "checkpoints": spec.checkpoints_dir if spec.durable else None,
         "checkpoints_durable": spec.durable,
+        "training_log": spec.training_log_uri,  # MaxText's full log, copied as the training exits
         "hf_export": hf_export,
         # "single" (model.safetensors) or "sharded" (model.safetensors.index.json and its shards)
         "hf_export_layout": export.layout if export else None,
