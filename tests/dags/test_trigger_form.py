@@ -1,8 +1,8 @@
 """The trigger form in Airflow's UI, driven by headless Chromium: a user logs in, finds every Param
-of maxtext_sft under its title with its help text in its section, sees the reservation marked
-required and Trigger disabled while it is empty, triggers a run with a conf, and the run
-succeeds; its graph shows the runbook's phases. A declared job's form shows the reservation its
-file sets. Screenshots land in test-artifacts/ (kept on failure too).
+of maxtext_sft under its title with its help text in its section, sees a field a run needs (the
+zone) marked required and Trigger disabled while it is empty, triggers a run with a conf, and the
+run succeeds; its graph shows the runbook's phases. A declared job's form shows the reservation
+its file sets. Screenshots land in test-artifacts/ (kept on failure too).
 
 The selectors are Airflow 3.3's React UI (Chakra): `trigger-dag-button`, `config-form` and its
 accordion items, each field's root, label (the Param's title), required indicator, helper and
@@ -203,22 +203,22 @@ def open_trigger_form(driver, airflow, dag_id: str) -> None:
     wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, '[data-testid="config-form"]')))
 
 
-def check_reservation_is_required(driver, section, title: str) -> None:
-    """The empty reservation: marked required with Airflow's message, its section flagged, and
-    Trigger disabled; filled, all three clear; emptied again, back (a screenshot of that)."""
+def check_a_required_field(driver, section, name: str, title: str, value: str) -> None:
+    """A field a run needs, emptied: marked required with Airflow's message and Trigger disabled
+    (a screenshot of that); filled again, both clear."""
     def state():
         return shown_fields(section)[title], submit_button(driver).is_enabled()
 
     shown, enabled = state()
-    assert shown.required and shown.errors == (REQUIRED,) and not enabled, (shown, enabled)
-    fill_param(section, "reservation", RUN_CONF["reservation"])
-    wait_for_trigger_enabled(driver, True)
-    assert shown_fields(section)[title].errors == ()
-    empty_param(section, "reservation")
+    assert shown.required and shown.errors == () and enabled, (shown, enabled)
+    empty_param(section, name)
     wait_for_trigger_enabled(driver, False)
     shown, _ = state()
     assert shown.required and shown.errors == (REQUIRED,), shown
     save_artifact(driver, "trigger-form-required")
+    fill_param(section, name, value)
+    wait_for_trigger_enabled(driver, True)
+    assert shown_fields(section)[title].errors == ()
 
 
 def check_declared_job_form(driver, airflow, job_params: dict) -> None:
@@ -229,7 +229,7 @@ def check_declared_job_form(driver, airflow, job_params: dict) -> None:
     section = open_section(driver, reservation["schema"]["section"])
     assert field_of(section, "reservation").get_attribute("value") == reservation["value"]
     shown = shown_fields(section)[reservation["schema"]["title"]]
-    assert shown.required and shown.errors == (), shown
+    assert not shown.required and shown.errors == (), shown  # needed only with the capacity 'reservation'
     wait_for_trigger_enabled(driver, True)
     save_artifact(driver, "trigger-form-declared-job")
 
@@ -259,7 +259,7 @@ def log_in(driver, airflow) -> None:
     wait.until(EC.url_to_be(f"{airflow.url}/dags/{airflow.dag_id}"))
 
 
-def test_the_trigger_form_shows_every_param_requires_the_reservation_and_starts_a_run(
+def test_the_trigger_form_shows_every_param_requires_what_a_run_needs_and_starts_a_run(
     start_airflow, local_cloud, tmp_path
 ):
     airflow = start_airflow(users={USER: PASSWORD})
@@ -268,12 +268,15 @@ def test_the_trigger_form_shows_every_param_requires_the_reservation_and_starts_
     dag_params = airflow.get(f"/api/v2/dags/{airflow.dag_id}/details")["params"]
     assert set(dag_params) == set(pipeline_params())
     sections = expected_sections(dag_params)
-    reservation_section = dag_params["reservation"]["schema"]["section"]
+    zone_section, zone_title = (dag_params["zone"]["schema"][key] for key in ("section", "title"))
+    assert sections[zone_section][zone_title].required
+    # The reservation may be left empty (another capacity type); the capacity is chosen from a list.
     reservation_title = dag_params["reservation"]["schema"]["title"]
-    assert sections[reservation_section][reservation_title].required
-    # Outside the form the same schema refuses a run without a reservation when it is created.
-    with pytest.raises(AirflowError, match="400.*reservation"):
-        airflow.trigger({**RUN_CONF, "reservation": None})
+    assert not sections[dag_params["reservation"]["schema"]["section"]][reservation_title].required
+    assert dag_params["capacity"]["schema"]["enum"] == ["reservation", "flex-start", "spot", "on-demand"]
+    # Outside the form the same schema refuses a run without a zone when it is created.
+    with pytest.raises(AirflowError, match="400.*zone"):
+        airflow.trigger({**RUN_CONF, "zone": None})
     job_params = wait_until(
         lambda: airflow.get(f"/api/v2/dags/{JOB_DAG_ID}/details", missing_ok=True), 120, f"{JOB_DAG_ID} to be parsed"
     )["params"]
@@ -287,15 +290,15 @@ def test_the_trigger_form_shows_every_param_requires_the_reservation_and_starts_
             log_in(driver, airflow)
             open_trigger_form(driver, airflow, airflow.dag_id)
             assert set(form_sections(driver)) == {*sections, "Advanced Options"}
-            wait_for_trigger_enabled(driver, False)  # the reservation opens empty
+            wait_for_trigger_enabled(driver, True)  # every field a run needs has a default
 
             for title, expected in sections.items():
                 section = open_section(driver, title)
                 shown = shown_fields(section)
                 assert {t: f.help_text for t, f in shown.items()} == {t: e.description for t, e in expected.items()}, title
                 assert {t: f.required for t, f in shown.items()} == {t: e.required for t, e in expected.items()}, title
-                if title == reservation_section:
-                    check_reservation_is_required(driver, section, reservation_title)
+                if title == zone_section:
+                    check_a_required_field(driver, section, "zone", zone_title, RUN_CONF.get("zone", "us-east5-b"))
                 for param in expected.values():
                     if param.name in RUN_CONF:
                         fill_param(section, param.name, RUN_CONF[param.name])

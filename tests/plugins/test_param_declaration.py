@@ -81,33 +81,25 @@ def test_without_the_row_the_name_is_refused_everywhere():
 
 @pytest.mark.parametrize("param", run_params.PARAMS, ids=lambda param: param.name)
 def test_the_form_and_the_check_agree_on_each_declared_default(param):
-    """Each Param's default passes Airflow's check of its schema and the pipeline's own; a
-    required one's empty default is refused by both (the form keeps Trigger disabled)."""
+    """Each Param's default passes Airflow's check of its schema and the pipeline's own."""
     import jsonschema
 
-    if param.required_because and param.default is None:
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(param.default, form_schema(param))
-        with pytest.raises(SpecError, match="required"):
-            run_params.check_value(param, param.default)
-        return
     jsonschema.validate(param.default, form_schema(param))
     assert run_params.check_value(param, param.default) == (
         tuple(param.default) if isinstance(param.default, list) else param.default
     )
 
 
-def test_what_a_run_needs_is_required_in_the_form_and_the_rest_may_be_left_empty():
+def test_a_field_may_be_left_empty_exactly_when_its_param_may_be():
     """Airflow 3.3's form marks a field required, and disables Trigger while it is empty, when its
-    schema's type does not allow null (FlexibleForm's isRequired): exactly the Params a run needs."""
+    schema's type does not allow null (FlexibleForm's isRequired). The reservation may be empty:
+    it is needed only with the capacity 'reservation', which plan_run checks (test_spec)."""
     for param in run_params.all_params(rehearsal=True) + BAKE_PARAMS:
         schema_type = form_schema(param)["type"]
         allows_empty = isinstance(schema_type, list) and "null" in schema_type
         assert allows_empty == param.nullable, param.name
-        assert not (param.nullable and param.required_because), param.name
-    required = {param.name for param in run_params.PARAMS if param.required_because}
-    assert "reservation" in required
-    assert pipeline_params()["reservation"].schema["type"] == "string"
+    assert pipeline_params()["reservation"].schema["type"] == ["null", "string"]
+    assert pipeline_params()["capacity"].schema["enum"] == list(run_params.CAPACITIES)
 
 
 # Param tables whose rows reach a trigger form: the pipeline's (with its rehearsal's) and the bake's.

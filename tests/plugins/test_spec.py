@@ -237,11 +237,6 @@ def test_a_dataset_is_a_hub_id_or_a_folder_on_the_vm():
         make_spec(dataset_name="relative/../x y")
 
 
-def test_reservation_is_required():
-    with pytest.raises(SpecError, match="'reservation'"):
-        make_spec(reservation=None)
-
-
 def test_root_is_refused_as_vm_user():
     with pytest.raises(SpecError, match="non-root"):
         make_spec(ssh_user="root")

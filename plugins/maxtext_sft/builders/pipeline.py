@@ -209,8 +209,9 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
             )
     else:
         # 1. Create the VM, once the reservation has a machine free: across every DAG that uses it,
-        # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity) defers
-        # the task to the triggerer, holding no worker slot, up to max_capacity_wait_minutes.
+        # no more VMs than it holds. Waiting (and an insert the cloud refuses for capacity, or a
+        # stockout when there is no reservation) defers the task to the triggerer, holding no
+        # worker slot, up to max_capacity_wait_minutes.
         create_vm = CreateVmOperator(
             task_id="create_vm",
             task_group=phase["provision"],
@@ -221,6 +222,7 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
             body=run["instance_body"],
             lifetime_minutes=run["lifetime_minutes"],
             reservation=run["reservation"],
+            waits_out_stockouts=run["waits_out_stockouts"],
             max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
             **capacity_reads(),
             gcp_conn_id=GCP_CONN_ID,

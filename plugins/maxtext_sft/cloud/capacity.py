@@ -1,7 +1,9 @@
-"""Wait, on the triggerer, for a machine in a reservation.
+"""Wait, on the triggerer, for a machine in a reservation, or through a zone's stockout.
 
-ReservationCapacityTrigger waits until a reservation has a machine free; CreateVmStartTrigger
-(below) is create_vm's whole wait, started by the scheduler, which inserts the VM itself.
+ReservationCapacityTrigger waits until a reservation has a machine free; StockoutWaitTrigger
+pauses before an insert refused for a stockout is asked again (a run with no reservation);
+CreateVmStartTrigger (below) is create_vm's whole wait, started by the scheduler, which inserts
+the VM itself.
 
 ReservationCapacityTrigger's events (one, then the trigger ends):
   {"status": "free", "free": N, "count": C, "checked_at": T, "deadline": D}
@@ -170,6 +172,36 @@ class ReservationCapacityTrigger(BaseTrigger):
                     count, in_use = last_read
                     yield TriggerEvent({"status": "timeout", "count": count, "in_use": in_use, "deadline": self.deadline})
                 return
+
+
+class StockoutWaitTrigger(BaseTrigger):
+    """Wait `wait_seconds` (or until `deadline`, if sooner) before an insert the zone refused for
+    lack of capacity is asked again: a run with no reservation has nothing to read that says
+    when a machine frees, so the wait is a pause on the triggerer, holding no worker slot.
+
+    Its one event has the reservation trigger's shape, so the same resume methods take it:
+      {"status": "free", "free": None, "count": None, "checked_at": T, "deadline": D}   ask again
+      {"status": "timeout", "count": None, "in_use": None, "deadline": D}              D has passed
+    """
+
+    def __init__(self, deadline: float | int | str | datetime, wait_seconds: float = CAPACITY_POLL_SECONDS):
+        super().__init__()
+        self.deadline = epoch_seconds(deadline)
+        self.wait_seconds = float(wait_seconds)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"deadline": self.deadline, "wait_seconds": self.wait_seconds},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(max(0.0, min(self.wait_seconds, self.deadline - time.time())))
+        if time.time() >= self.deadline:
+            yield TriggerEvent({"status": "timeout", "count": None, "in_use": None, "deadline": self.deadline})
+            return
+        event = {"status": "free", "free": None, "count": None, "checked_at": time.time(), "deadline": self.deadline}
+        yield TriggerEvent(event)
 
 
 class CreateVmStartTrigger(BaseTrigger):

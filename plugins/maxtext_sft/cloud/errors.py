@@ -38,6 +38,10 @@ from googleapiclient.errors import HttpError
 from airflow.sdk.exceptions import AirflowException
 
 
+# The cause of a zone's (or region's) stockout: retried, or waited out by a run with no reservation.
+STOCKOUT = "zone out of capacity (stockout)"
+
+
 class Action(enum.Enum):
     WAIT_FOR_CAPACITY = "wait for capacity"  # the capacity gate: defer until the reservation has a machine free
     RETRY = "retry"  # the task's retries, with exponential backoff
@@ -136,7 +140,7 @@ RULES: tuple[Rule, ...] = (
     # page (HTTP 503 `insufficientCapacity`). REGION_RESOURCE_POOL_EXHAUSTED: the same family at
     # region scope, as the brief of this change lists it and other Compute clients retry it.
     Rule(
-        "zone out of capacity (stockout)",
+        STOCKOUT,
         Action.RETRY,
         code=r"^(ZONE_|REGION_)?RESOURCE_POOL_EXHAUSTED(_WITH_DETAILS)?$|^INSUFFICIENT_CAPACITY$|^insufficientCapacity$",
     ),
@@ -231,3 +235,12 @@ def classify_items(items: list[dict]) -> Verdict | None:
     """`classify` for errors given as data: `{code, message}` items, as an operation's
     `error.errors[]` or a managed instance's `lastAttempt.errors.errors[]` hold them."""
     return classify(OperationFailed({"error": {"errors": items}})) if items else None
+
+
+def waits_for_capacity(verdict: Verdict | None, *, waits_out_stockouts: bool) -> bool:
+    """Whether a refused insert waits for capacity (deferred, up to max_capacity_wait_minutes):
+    a full reservation always; a zone's stockout when the run has no reservation to wait for
+    (RunSpec.waits_out_stockouts), since the task's few retries would give up within minutes."""
+    if verdict is None:
+        return False
+    return verdict.action is Action.WAIT_FOR_CAPACITY or (waits_out_stockouts and verdict.rule.cause == STOCKOUT)

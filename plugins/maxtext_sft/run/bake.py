@@ -199,7 +199,7 @@ def build_bake_spec(
         "maxtext_version": p["maxtext_version"],
         "work_dir": p["work_dir"],
         "install_timeout_minutes": p["install_timeout_minutes"],
-        "reservation": "not-used-by-a-bake",  # the bake's VM is on demand; the field is unused
+        "capacity": "on-demand",  # the bake's VM: no TPU, no reservation
     }
     base = build_run_spec(
         shared,
@@ -216,7 +216,7 @@ def build_bake_spec(
     image_name = p["image_name"] or f"maxtext-{label_value(version).replace('_', '-')}-{run_hash}"
     vm_name = vm_name_for(VM_NAME_PREFIX, dag_id, run_id, 0)
     lifetime = base.install_timeout_minutes + BAKE_MARGIN_MINUTES
-    vm_step_spec = base.with_values(vm_name=vm_name, reservation="", max_run_duration_minutes=lifetime)
+    vm_step_spec = base.with_values(vm_name=vm_name, max_run_duration_minutes=lifetime)
     return BakeSpec(
         dag_id=dag_id,
         run_id=run_id,

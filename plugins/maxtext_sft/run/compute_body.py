@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# The insert-body fields in which a rehearsal's VM differs from the real run's (paths in the body).
+# The insert-body fields in which a rehearsal's VM differs from the real run's on a reservation
+# (paths in the body). The rehearsal's VM is on demand: of a Spot or flex-start run it also differs
+# in the rest of `scheduling` (and flex-start's `params`); without a cloud-enforced lifetime, in
+# the termination action (STANDARD takes none without a time limit).
 REHEARSAL_FIELDS = (
     "machine_type",
     "disks[0].initialize_params.source_image",
@@ -61,23 +64,8 @@ class ComputeInstanceBody:
                     "network": f"projects/{project}/global/networks/{self.network}",
                 }
             ],
-            "reservation_affinity": {
-                "consume_reservation_type": "SPECIFIC_RESERVATION",
-                "key": "compute.googleapis.com/reservation-name",
-                "values": [self.reservation],
-            },
-            "scheduling": {
-                "automatic_restart": True,
-                "instance_termination_action": "DELETE",
-                "on_host_maintenance": "TERMINATE",
-                "provisioning_model": "RESERVATION_BOUND",
-                # A hard lifetime: Compute Engine deletes the VM even if Airflow is gone.
-                **(
-                    {"max_run_duration": {"seconds": self.max_run_duration_minutes * 60}}
-                    if self.cloud_enforced_lifetime
-                    else {}
-                ),
-            },
+            "reservation_affinity": self._reservation_affinity(),
+            "scheduling": self._scheduling(),
             # A stable tag a firewall rule can target, instead of the per-run VM name.
             "tags": {"items": [self.network_tag]},
             # Identify the package, DAG and run, so a janitor can find VMs whose run is gone.
@@ -102,17 +90,65 @@ class ComputeInstanceBody:
                 {"email": self.service_account, "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
             ],
         }
+        if self.capacity == "flex-start" and not self.rehearsal:
+            # How long the request waits in the queue for a machine (InstanceParams in the v1
+            # discovery document); the insert's operation waits with it.
+            body["params"] = {"request_valid_for_duration": {"seconds": self.flex_start_valid_minutes * 60}}
         return self._as_rehearsal(body) if self.rehearsal else body
 
+    def _reservation_affinity(self) -> dict[str, Any]:
+        """The tutorial's named reservation; for the other capacity types none, not even one that is
+        consumed automatically (Spot and flex-start VMs cannot consume one: Compute Engine's "Consume
+        reserved instances" and "About flex-start VMs" pages; an on-demand run takes no one else's)."""
+        if self.capacity != "reservation" or self.rehearsal:
+            return {"consume_reservation_type": "NO_RESERVATION"}
+        return {
+            "consume_reservation_type": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": [self.reservation],
+        }
+
+    def _scheduling(self) -> dict[str, Any]:
+        """The VM's scheduling for its capacity type. TPU VMs cannot live-migrate, so every kind
+        terminates on host maintenance. A hard lifetime (maxRunDuration, with the DELETE action)
+        lets Compute Engine delete the VM even if Airflow is gone; flex-start requires one."""
+        capacity = "on-demand" if self.rehearsal else self.capacity
+        lifetime = {
+            "instance_termination_action": "DELETE",
+            "max_run_duration": {"seconds": self.max_run_duration_minutes * 60},
+        }
+        enforced = lifetime if self.cloud_enforced_lifetime else {}
+        if capacity == "reservation":
+            # The tutorial's gcloud flags; the termination action is allowed without a lifetime
+            # on a reservation-bound VM.
+            return {
+                "automatic_restart": True,
+                "instance_termination_action": "DELETE",
+                "on_host_maintenance": "TERMINATE",
+                "provisioning_model": "RESERVATION_BOUND",
+                **enforced,
+            }
+        if capacity == "flex-start":
+            # "About flex-start VMs": a run duration is required, the VM is deleted at its end,
+            # and it does not restart (cluster-toolkit #2874 and SkyPilot #9608 send the same).
+            return {"automatic_restart": False, "on_host_maintenance": "TERMINATE", "provisioning_model": "FLEX_START",
+                    **lifetime}
+        if capacity == "spot":
+            # cloud.google.com/tpu/docs/spot-compute: --provisioning-model=SPOT, a termination
+            # action (DELETE: a preempted VM is replaced, never restarted), --maintenance-policy=TERMINATE.
+            return {"automatic_restart": False, "instance_termination_action": "DELETE",
+                    "on_host_maintenance": "TERMINATE", "provisioning_model": "SPOT", **enforced}
+        # On demand: a termination action only with a time limit (the API refuses it alone on STANDARD).
+        return {"automatic_restart": True, "on_host_maintenance": "TERMINATE", "provisioning_model": "STANDARD",
+                **enforced}
+
     def _as_rehearsal(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The rehearsal's VM: the same request but for what makes it a cheap CPU VM (REHEARSAL_FIELDS);
-        the disk, network, labels, metadata, service account and lifetime stay the real run's."""
+        """The rehearsal's VM: the same request but for what makes it a cheap CPU VM on demand
+        (REHEARSAL_FIELDS: its reservation affinity and scheduling are made so by the methods
+        above); the disk, network, labels, metadata, service account and lifetime stay the real run's."""
         project, zone = self.project_id, self.zone
         body["machine_type"] = f"projects/{project}/zones/{zone}/machineTypes/{self.rehearsal_machine_type}"
         body["disks"][0]["initialize_params"]["source_image"] = (
             f"projects/{self.rehearsal_image_project}/zones/-/imageFamilyViews/{self.rehearsal_image_family}"
         )
-        # Consumes no reservation (not even an automatically consumed one); on demand.
-        body["reservation_affinity"] = {"consume_reservation_type": "NO_RESERVATION"}
-        body["scheduling"]["provisioning_model"] = "STANDARD"
         return body

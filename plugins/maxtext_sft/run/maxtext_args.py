@@ -49,15 +49,21 @@ OWNED_KEYS: dict[str, frozenset[str]] = {
 # the cap bounds it in steps for a long run (1000 steps of gemma3-4b: ~10 minutes on a v6e-8).
 CHECKPOINTS_PER_RUN = 10
 MAX_DERIVED_CHECKPOINT_PERIOD = 1000
+# A Spot VM can be preempted at any time with 30 s of notice, too short to write a real gemma3-4b
+# checkpoint (46.6 GB), so only the periodic ones count: at most 100 steps (about a minute of
+# gemma3-4b on a v6e-8) are lost per preemption, and each write (about 47 s at 1 GB/s) ends
+# before the next begins. docs/capacity.md shows the trade-off.
+MAX_DERIVED_SPOT_CHECKPOINT_PERIOD = 100
 MAXTEXT_CHECKPOINT_PERIOD = 10_000  # MaxText's own default (base.yml)
 
 
-def checkpoint_period_for(steps: int, durable: bool) -> int:
+def checkpoint_period_for(steps: int, durable: bool, capacity: str = "reservation") -> int:
     """checkpoint_period when the Param leaves it empty. Without durable storage a checkpoint is
     lost with its VM, so saving more often would only fill /dev/shm: MaxText's default then."""
     if not durable:
         return MAXTEXT_CHECKPOINT_PERIOD
-    return min(max(1, -(-steps // CHECKPOINTS_PER_RUN)), MAX_DERIVED_CHECKPOINT_PERIOD)
+    cap = MAX_DERIVED_SPOT_CHECKPOINT_PERIOD if capacity == "spot" else MAX_DERIVED_CHECKPOINT_PERIOD
+    return min(max(1, -(-steps // CHECKPOINTS_PER_RUN)), cap)
 
 
 def refuse_owned_keys(step: str, args: Sequence[str]) -> None:

@@ -1,8 +1,8 @@
 """What a user may ask of a fine-tune: every Param declared once, in `PARAMS`.
 
 One row per Param: name, type, default (the tutorial's value), limits (pattern, bounds, choices,
-length), help text, the trigger form's title (the field's label) and section, and whether a run
-needs a value (the form marks the field required and keeps Trigger disabled while it is empty). From this table come the trigger form's JSON schema
+length), help text, the trigger form's title (the field's label) and section, and whether it may
+be empty (a field that may not is marked required in the form). From this table come the trigger form's JSON schema
 (`form_schema`; run/dag_params.py makes Airflow Params of it), the check of every value a run is given,
 whether from the form, a run conf or a declared-job file (`check_params`), and the typed values
 the run's spec answers by name (run/spec.py). Adding a Param is one row here plus the code that uses
@@ -52,6 +52,8 @@ MAX_EXTRA_ARG_CHARS = 4096  # one extra MaxText argument (a JSON-valued one can 
 
 # Compute Engine's limits for scheduling.maxRunDuration.
 MAX_RUN_DURATION_LIMITS_SECONDS = (30, 120 * 24 * 3600)
+# Where a run's TPU comes from (the `capacity` Param); run/compute_body.py makes each one's body.
+CAPACITIES = ("reservation", "flex-start", "spot", "on-demand")
 
 # Airflow validates every Param with jsonschema each time it serializes an operator (the DAG's
 # Params are every task's), in the DAG processor, the scheduler and each task: about 3,000
@@ -90,9 +92,6 @@ class Declared:
     section: str
     title: str = ""  # the field's label in the form; every row has one (test_param_declaration)
     nullable: bool = False  # None is a value (its meaning in the description)
-    # A run needs a value: None (the form's empty field) is refused, saying why. The default may
-    # still be None: the form then opens with the field empty and marked required.
-    required_because: str | None = None
     pattern: re.Pattern[str] | None = None  # strings, and an array's items
     what: str = ""  # what a value that fails the pattern or choices is not: "a zone such as us-east5-b"
     max_length: int | None = None  # strings and an array's items; default MAX_STRING_CHARS
@@ -120,10 +119,17 @@ PARAMS: tuple[Declared, ...] = (
              nullable=True, pattern=PROJECT_ID, what="a Google Cloud project id"),
     Declared("zone", "string", "us-east5-b", "The zone of the reservation, where the VM is created, e.g. us-east5-b.",
              CLOUD, title="Zone", pattern=GCE_ZONE, what="a zone such as us-east5-b"),
+    Declared("capacity", "string", "reservation",
+             "Where the TPU comes from. reservation: a reservation you hold (the tutorial's; name it below). "
+             "flex-start: queued until Compute Engine has a machine (up to the request's validity), then up to "
+             "7 days uninterrupted; preemptible quota. spot: at once when there is a machine, far cheaper, but "
+             "taken back at any time: the run resumes on a new VM from its last checkpoint (needs an Output "
+             "location). on-demand: the list price, never taken back.", CLOUD, title="TPU capacity",
+             choices=CAPACITIES, what="a capacity type"),
     Declared("reservation", "string", None,
-             "The name of the capacity reservation the TPU VM runs on, in the zone above. Required: a run "
-             "gets its TPU only from a reservation.", CLOUD, title="TPU reservation",
-             required_because="the TPU VM runs only on a reservation", pattern=GCE_NAME, what="a reservation name"),
+             "With TPU capacity 'reservation' (required then): the name of the capacity reservation the TPU VM "
+             "runs on, in the zone above. Empty for the other capacity types.", CLOUD, title="TPU reservation",
+             nullable=True, pattern=GCE_NAME, what="a reservation name"),
     Declared("network", "string", "default", "The VPC network the VM joins; 'default' is the project's default network.",
              CLOUD, title="VPC network", pattern=GCE_NAME, what="a network name"),
     Declared("network_tag", "string", "maxtext-sft",
@@ -149,9 +155,22 @@ PARAMS: tuple[Declared, ...] = (
     Declared("boot_disk_size_gb", "integer", 200, "Size of the VM's boot disk, in GB.", VM,
              title="Boot disk size (GB)", minimum=10, maximum=65536),
     Declared("vm_hourly_price_usd", "number", 20.0,
-             "What the VM costs per hour, in US dollars; the run summary's estimated cost is the VM's hours "
-             "times this. Default: roughly a v6e-8 on a reservation. It changes nothing else.", VM,
-             title="VM price per hour (USD)", minimum=0),
+             "What the VM costs per hour on a reservation, in US dollars; the run summary's estimated cost is "
+             "the VM's billed hours times the price of the run's TPU capacity. Default: roughly a v6e-8 on a "
+             "reservation. It changes nothing else.", VM, title="VM price per hour on a reservation (USD)", minimum=0),
+    # No defaults: no price for a v6e machine per capacity type was found in a public source this
+    # project could cite (Compute Engine's Spot VM pricing page gives only the discount's range).
+    *(
+        Declared(f"{name}_hourly_price_usd", "number", None,
+                 f"What the VM costs per hour {how}, in US dollars (Cloud TPU pricing for your region{more}). "
+                 "Empty: unknown, and the summary shows no cost for it.", VM, title=f"VM price per hour {how} (USD)",
+                 nullable=True, minimum=0)
+        for name, how, more in (
+            ("on_demand", "on demand", ""),
+            ("spot", "as Spot", "; Spot prices are 60-91% below on-demand, Compute Engine's Spot VM pricing page"),
+            ("flex_start", "with flex-start", ""),
+        )
+    ),
     Declared("use_internal_ip", "boolean", False,
              "Connect to the VM's internal IP (Airflow's workers run inside the VPC network). The VM then gets "
              "no external IP: reaching PyPI and the Hugging Face Hub needs Cloud NAT.", VM,
@@ -290,6 +309,14 @@ PARAMS: tuple[Declared, ...] = (
              "How many times a VM lost mid-training is recreated to resume from the latest checkpoint in the "
              "Output location. 0: never; the run fails.", TIMING, title="VM recoveries at most",
              minimum=0, maximum=10),
+    Declared("max_preemptions", "integer", 10,
+             "With TPU capacity 'spot': how many times the VM may be preempted (each time the training resumes "
+             "on a new VM from its last checkpoint) before the run fails. Preemptions do not count as lost VMs.",
+             TIMING, title="Spot preemptions at most", minimum=0, maximum=100),
+    Declared("flex_start_valid_minutes", "integer", 120,
+             "With TPU capacity 'flex-start': how long the request waits in Compute Engine's queue for a machine "
+             "(its requestValidForDuration), holding no worker slot; then the run fails and nothing is left.",
+             TIMING, title="Flex-start request valid for (min)", minimum=1, maximum=120),
     Declared("max_capacity_wait_minutes", "integer", 720,
              "Minutes the run waits, holding no worker slot, for a free machine in the reservation (which "
              "every run using it shares); then it fails. 0: fail at once when the reservation is full.",
@@ -385,11 +412,8 @@ def _string(param: Declared, value: Any, name: str) -> str:
 def check_value(param: Declared, value: Any) -> Any:
     """`value` as the Param's type (an array a tuple, a number a float), or SpecError naming it."""
     name = param.name
-    if value is None:
-        if param.required_because:
-            raise SpecError(f"Param {name!r}: required ({param.required_because})", name)
-        if param.nullable:
-            return None
+    if value is None and param.nullable:
+        return None
     if param.type == "boolean":
         if not isinstance(value, bool):
             raise SpecError(f"Param {name!r}: {value!r} is not true or false", name)

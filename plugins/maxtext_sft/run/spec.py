@@ -34,6 +34,8 @@ from maxtext_sft.run.params import (
 
 # What a VM's lifetime adds to the steps' time limits: boot, SSH, uploads, teardown.
 LIFETIME_MARGIN_MINUTES = 30
+# "About flex-start VMs": a flex-start VM runs for at most seven days.
+FLEX_START_MAX_RUN_MINUTES = 7 * 24 * 60
 SSH_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 SSH_PUBLIC_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+$")
 
@@ -76,8 +78,23 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody, SliceBodies):
     @property
     def consumed_reservation(self) -> str | None:
         """The reservation the VM is bound to (what the capacity gate reads); None for a rehearsal,
-        which only reads it."""
-        return None if self.rehearsal else self.reservation
+        which only reads it, and for the capacity types that use none."""
+        return None if self.rehearsal or self.capacity != "reservation" else self.reservation
+
+    @property
+    def machine_source(self) -> str:
+        """Where the VM's machine comes from, for a message: "reservation NAME", or the zone's capacity."""
+        if self.consumed_reservation:
+            return f"reservation {self.reservation}"
+        return f"{'on-demand' if self.rehearsal else self.capacity} capacity in zone {self.zone}"
+
+    @property
+    def waits_out_stockouts(self) -> bool:
+        """Whether a zone's stockout is waited out (the insert asked again at intervals, up to
+        max_capacity_wait_minutes): a real run without a reservation, which has no other way to
+        get its machine. A run on a reservation waits for the reservation instead, and a rehearsal's
+        cheap VM leaves a stockout to the task's retries."""
+        return not self.rehearsal and self.capacity in ("spot", "on-demand", "flex-start")
 
     def with_values(self, **changes: Any) -> RunSpec:
         """This spec with some fields or Params changed (a pinned dataset, a bake's own VM)."""
@@ -115,6 +132,7 @@ def build_run_spec(
     """Check every Param (the rehearsal's or the slice's too, with `rehearsal` or `tpu_slice`) and
     derive the run's spec; raises SpecError naming the first bad field."""
     p = check_params(params, all_params(rehearsal, tpu_slice))
+    _check_capacity(p)
     if tpu_slice:
         _check_slice(p)
     p["project_id"] = p["project_id"] or default_project_id
@@ -138,10 +156,19 @@ def build_run_spec(
         refuse_owned_keys(step, p[f"{step}_extra_args"])
     if p["output_location"]:
         p["output_location"] = p["output_location"].rstrip("/")
-    p["checkpoint_period"] = p["checkpoint_period"] or checkpoint_period_for(p["steps"], bool(p["output_location"]))
+    p["checkpoint_period"] = p["checkpoint_period"] or checkpoint_period_for(
+        p["steps"], bool(p["output_location"]), p["capacity"]
+    )
     known_id, known_license = BASE_MODELS[p["model_name"]]
     p["base_model_id"] = p["base_model_id"] or known_id
     p["max_run_duration_minutes"] = p["max_run_duration_minutes"] or lifetime_minutes(p)
+    if p["capacity"] == "flex-start" and p["max_run_duration_minutes"] > FLEX_START_MAX_RUN_MINUTES:
+        raise SpecError(
+            f"Param 'max_run_duration_minutes': a flex-start VM runs at most 7 days ({FLEX_START_MAX_RUN_MINUTES} "
+            f"minutes) and this run's VM lifetime is {p['max_run_duration_minutes']} (set it, or lower the step "
+            "time limits it is added up from)",
+            "max_run_duration_minutes",
+        )
     if not SSH_USER.fullmatch(ssh_user) or ssh_user == "root":
         raise SpecError(f"SSH connection login {ssh_user!r}: need a non-root user name (Compute Engine refuses root)")
     if not SSH_PUBLIC_KEY.fullmatch(ssh_public_key):
@@ -163,10 +190,41 @@ def build_run_spec(
     return spec
 
 
+def _check_capacity(p: Mapping[str, Any]) -> None:
+    """The reservation is named exactly when the capacity is one, and a Spot run's checkpoints
+    outlive its VM."""
+    capacity = p["capacity"]
+    if capacity == "reservation" and not p["reservation"]:
+        raise SpecError(
+            "Param 'reservation': required with TPU capacity 'reservation' (the VM runs only on it); "
+            "or choose the capacity flex-start, spot or on-demand",
+            "reservation",
+        )
+    if capacity != "reservation" and p["reservation"]:
+        raise SpecError(
+            f"Param 'reservation': only TPU capacity 'reservation' runs on one; leave it empty for {capacity!r}",
+            "reservation",
+        )
+    if capacity == "spot" and not p["output_location"]:
+        raise SpecError(
+            "Param 'output_location': a Spot VM can be preempted at any time, so its checkpoints must outlive it "
+            "in a gs://bucket/prefix for the training to resume on a new VM",
+            "output_location",
+        )
+
+
 def _check_slice(p: Mapping[str, Any]) -> None:
     """A slice's hosts are its shape's machine type, and its checkpoints live in storage: every
     host writes its part of each one, and the export (on one host) reads them all."""
     shape = TPU_SLICES[p["tpu_slice"]]
+    if p["capacity"] != "reservation":
+        # A slice's hosts come from one managed instance group; flex-start and Spot slices are made
+        # by the group's resize requests (with requestedRunDuration) or a Spot template, which this
+        # pipeline does not send yet (docs/multi-host.md).
+        raise SpecError(
+            f"Param 'capacity': a {p['tpu_slice']} slice runs only on a reservation here, not {p['capacity']!r}",
+            "capacity",
+        )
     if p["machine_type"] != shape["machine_type"]:
         raise SpecError(
             f"Param 'machine_type': a {p['tpu_slice']} slice is made of {shape['machine_type']} hosts, "

@@ -24,7 +24,7 @@ from airflow.providers.google.cloud.operators.compute import (
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
-from maxtext_sft.cloud.errors import Action, classify
+from maxtext_sft.cloud.errors import Action, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, endpoint_hook_for
 from maxtext_sft.cloud.instances import adoptable_instance, insert_request_id, with_expiry_label
 from maxtext_sft.ui.task_links import VmConsoleLink
@@ -34,6 +34,7 @@ from maxtext_sft.cloud.capacity import (
     CAPACITY_POLL_SECONDS,
     CreateVmStartTrigger,
     ReservationCapacityTrigger,
+    StockoutWaitTrigger,
 )
 
 
@@ -66,6 +67,10 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     flow above. Values written into the DAG, and dag.test(), which ignores start_from_trigger,
     start on the worker.
 
+    Without a reservation (`waits_out_stockouts`: Spot, flex-start, on demand), a zone's stockout
+    is waited out the same way: deferred to StockoutWaitTrigger, the insert asked again every
+    `capacity_poll_seconds`, up to `max_capacity_wait_minutes` from the first refusal.
+
     The trigger first reads the reservation `capacity_first_read_seconds` after the deferral, then
     every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
     a deferred try's exit: Airflow 3.3 fails a resumed try that is already running when that report
@@ -77,6 +82,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         *ComputeEngineInsertInstanceOperator.template_fields,
         "lifetime_minutes",
         "reservation",
+        "waits_out_stockouts",
         "max_capacity_wait_minutes",
     )
     # Instead of the provider's instance link, which reads parse-time fields: the VM this try
@@ -88,6 +94,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         *,
         lifetime_minutes=None,
         reservation: str | None = None,
+        waits_out_stockouts: bool | str = False,
         max_capacity_wait_minutes: float | str = 720,
         capacity_poll_seconds: float = CAPACITY_POLL_SECONDS,
         capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS,
@@ -96,6 +103,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         super().__init__(**kwargs)
         self.lifetime_minutes = lifetime_minutes
         self.reservation = reservation
+        self.waits_out_stockouts = waits_out_stockouts
         self.max_capacity_wait_minutes = max_capacity_wait_minutes
         self.capacity_poll_seconds = capacity_poll_seconds
         self.capacity_first_read_seconds = capacity_first_read_seconds
@@ -146,7 +154,10 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             raise AirflowFailException(self._gave_up(event["count"], deadline))
         if event["status"] != "free":
             raise AirflowException(f"Waiting for capacity in reservation {self.reservation} failed: {event['message']}")
-        self.log.info("Reservation %s has %d of %d machines free", self.reservation, event["free"], event["count"])
+        if event["count"] is None:
+            self.log.info("Asking for the VM again after the zone's stockout")
+        else:
+            self.log.info("Reservation %s has %d of %d machines free", self.reservation, event["free"], event["count"])
         # A new request id for each insert after a wait: the API may answer a request id it has
         # seen with that request's outcome, here a refusal. The event's read time makes it unique.
         return self._create(context, deadline=deadline, insert_key=f"/{event['checked_at']}")
@@ -189,6 +200,9 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             return self._create_instance(hook, context)
         except Exception as error:
             verdict = classify(error)
+            if self.waits_out_stockouts is True and waits_for_capacity(verdict, waits_out_stockouts=True):
+                self.log.warning("The zone has no machine for the insert: %s", verdict)
+                self._wait_out_stockout(deadline, refusal=str(verdict.error))
             if verdict is None or verdict.action is Action.RETRY:
                 if verdict is not None:
                     self.log.warning("Insert refused: %s; the task's retries take it", verdict)
@@ -218,14 +232,29 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             trigger=ReservationCapacityTrigger.for_operator(self, deadline), method_name="resume_after_capacity_wait"
         )
 
-    def _gave_up(self, count: int, deadline: float) -> str:
+    def _wait_out_stockout(self, deadline: float | None, refusal: str) -> NoReturn:
+        """Defer, then ask for the VM again (no reservation to read): fail once the deadline has passed."""
+        if deadline is None:
+            deadline = time.time() + float(self.max_capacity_wait_minutes) * 60
+        if time.time() >= deadline:
+            raise AirflowFailException(f"{self._gave_up(None, deadline)}; the cloud's last refusal: {refusal}")
+        self.log.info(
+            "Waiting (deferred, no worker slot) %.0f s before asking again, at most until %s",
+            self.capacity_poll_seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
+        )
+        self.defer(
+            trigger=StockoutWaitTrigger(deadline, self.capacity_poll_seconds), method_name="resume_after_capacity_wait"
+        )
+
+    def _gave_up(self, count: int | None, deadline: float) -> str:
         limit = float(self.max_capacity_wait_minutes)
         waited = max(0.0, time.time() - (deadline - limit * 60))
         how_long = f"{waited / 60:.0f} minutes" if waited >= 60 else f"{waited:.0f} seconds"
-        return (
-            f"Gave up waiting for a machine: no free capacity in reservation {self.reservation} "
-            f"(count {count}) for {how_long} (max_capacity_wait_minutes={limit:g}); no VM was created"
+        where = (
+            f"no free capacity in reservation {self.reservation} (count {count})" if self.reservation
+            else f"zone {self.zone} had no machine for it"
         )
+        return f"Gave up waiting for a machine: {where} for {how_long} (max_capacity_wait_minutes={limit:g}); no VM was created"
 
 
 class DeleteVmOperator(ComputeEngineDeleteInstanceOperator):

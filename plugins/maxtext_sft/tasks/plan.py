@@ -69,8 +69,9 @@ def plan_run(
         "instance_body": spec.instance_body(),
         **(slice_requests(spec) if spec.is_slice else {}),
         "lifetime_minutes": spec.max_run_duration_minutes,
-        # create_vm's capacity gate
+        # create_vm's capacity gate, or its wait through a stockout
         "reservation": spec.consumed_reservation,
+        "waits_out_stockouts": spec.waits_out_stockouts,
         "max_capacity_wait_minutes": spec.max_capacity_wait_minutes,
     }
 

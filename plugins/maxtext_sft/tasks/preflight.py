@@ -242,11 +242,16 @@ def run_preflight(
         ("Hugging Face token", lambda: check_hub_access(api, spec)),
         ("dataset", lambda: check_dataset(api, spec)),
         ("eval split", lambda: check_eval_split(api, StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
-        (
-            "reservation",
-            lambda: check_reservation(
-                ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec, capacity_gate=capacity_gate
-            ),
+        # Only a run on a reservation has one to read (capacity; a rehearsal reads the real run's).
+        *(
+            [(
+                "reservation",
+                lambda: check_reservation(
+                    ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec, capacity_gate=capacity_gate
+                ),
+            )]
+            if spec.capacity == "reservation"
+            else []
         ),
         ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
         ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),

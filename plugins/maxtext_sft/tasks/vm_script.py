@@ -110,15 +110,15 @@ class VmScriptOperator(RunTaskOperator):
         if not remake.machine_free(reason) or not remake.insert(reason):
             if time.time() >= deadline:
                 raise AirflowFailException(
-                    f"{reason}; no machine was free in reservation {spec.reservation} "
-                    f"(max_capacity_wait_minutes={spec.max_capacity_wait_minutes}): no VM was created"
+                    f"{reason}; no machine was free ({spec.machine_source}, "
+                    f"max_capacity_wait_minutes={spec.max_capacity_wait_minutes}): no VM was created"
                 )
             trigger = remake.capacity_wait_trigger(
                 deadline, poll_seconds=self.capacity_poll_seconds, first_read_seconds=self.capacity_first_read_seconds
             )
-            if trigger is None:  # no reservation to read: the cloud refused for capacity; retried
+            if trigger is None:  # a rehearsal's VM: the cloud refused for capacity; retried
                 raise AirflowException(f"{reason}; the cloud refused to make it again for capacity")
-            self.log.info("Waiting (deferred, no worker slot) for a free machine in reservation %s", spec.reservation)
+            self.log.info("Waiting (deferred, no worker slot) for a free machine: %s", spec.machine_source)
             self.defer(trigger=trigger, method_name="execute_after_capacity_wait")
         self.log.info("Made VM %s again; waiting for its SSH", spec.vm_name)
         self.log.info("VM %s answered SSH after %.1f s", spec.vm_name, remake.wait_for_login())

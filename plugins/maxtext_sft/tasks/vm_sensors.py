@@ -358,13 +358,13 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         if time.time() >= deadline:
             raise AirflowFailException(
                 f"{reason}; no machine was free to recreate it for {(time.time() - since) / 60:.0f} minutes "
-                f"(max_capacity_wait_minutes={spec.max_capacity_wait_minutes}, reservation {spec.reservation})"
+                f"(max_capacity_wait_minutes={spec.max_capacity_wait_minutes}, {spec.machine_source})"
             )
         trigger = recovery.remake.capacity_wait_trigger(
             deadline, poll_seconds=self.capacity_poll_seconds, first_read_seconds=self.capacity_first_read_seconds
         )
         if trigger is not None:
-            self.log.info("Waiting (deferred, no worker slot) for a free machine in reservation %s", spec.reservation)
+            self.log.info("Waiting (deferred, no worker slot) for a free machine: %s", spec.machine_source)
             self.defer(trigger=trigger, method_name="resume_after_capacity_wait")
 
     def resume_after_capacity_wait(self, context, event: dict | None = None):

@@ -5,9 +5,10 @@ tasks, which make the VM again when it is gone as they start (a task cleared aft
 was deleted, a VM lost between two tasks). The VM is made as create_vm made it: same name, body
 and lifetime, the same capacity gate in front of the insert.
 
-While the reservation has no machine free, or the cloud refuses the insert for capacity,
-nothing is asked for: the caller waits holding no worker slot (it defers to
-ReservationCapacityTrigger, `capacity_wait_trigger`) and comes back.
+While the reservation has no machine free, or the cloud refuses the insert for capacity (a
+stockout, for a run with no reservation), nothing is asked for: the caller waits holding no
+worker slot (it defers to ReservationCapacityTrigger or StockoutWaitTrigger,
+`capacity_wait_trigger`) and comes back.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 from google.api_core.exceptions import NotFound
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from maxtext_sft.cloud.errors import Action, classify
+from maxtext_sft.cloud.errors import Action, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.cloud.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.run.spec import RunSpec
-from maxtext_sft.cloud.capacity import ReservationCapacityTrigger
+from maxtext_sft.cloud.capacity import ReservationCapacityTrigger, StockoutWaitTrigger
 from maxtext_sft.vm.access import SshLoginProbe, start_autostop
 
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM
@@ -95,21 +96,22 @@ class VmRemake:
             )
         except Exception as error:
             verdict = classify(error)
-            if verdict is None or verdict.action is Action.RETRY:
-                raise  # the task's retries take it, as create_vm's do
-            if verdict.action is Action.WAIT_FOR_CAPACITY:
+            if waits_for_capacity(verdict, waits_out_stockouts=spec.waits_out_stockouts):
                 self.log.warning("%s. The cloud refused to make it again for capacity (%s): waiting", reason, verdict)
                 return False
+            if verdict is None or verdict.action is Action.RETRY:
+                raise  # the task's retries take it, as create_vm's do
             raise AirflowFailException(f"{reason}; Compute Engine refused to make it again: {verdict}") from error
         self.log.info("Made instance %s again", spec.vm_name)
         return True
 
     def capacity_wait_trigger(self, deadline: float, *, poll_seconds: float, first_read_seconds: float):
-        """The trigger a task defers to while the reservation is full (None without a reservation:
-        then there is nothing to read, and the caller waits by reschedule)."""
+        """The trigger a task defers to while there is no machine: the reservation's, or a pause
+        before asking again through a stockout; None when neither applies (a rehearsal: the
+        caller's retries take it)."""
         spec = self.spec
         if not spec.consumed_reservation:
-            return None
+            return StockoutWaitTrigger(deadline, poll_seconds) if spec.waits_out_stockouts else None
         return ReservationCapacityTrigger(
             project_id=spec.project_id,
             zone=spec.zone,
