@@ -264,6 +264,22 @@ class LocalCloud:
         body = {"action": action, **({"project": project} if project else {}), **({"zone": zone} if zone else {})}
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/terminate", body)
 
+    def preempt_vm(
+        self, name: str, *, project: str | None = None, zone: str | None = None, soft_off_seconds: float = 30.0
+    ) -> dict:
+        """Preempt Spot (or preemptible) VM `name` the way Compute Engine does: a DONE
+        compute.instances.preempted operation in its zone's operations list, the instance STOPPING
+        with its processes running for `soft_off_seconds` (the guest's ACPI soft off, 30 s on
+        Compute Engine), then TERMINATED or deleted per its instanceTerminationAction. Returns at
+        once: {name, project, zone, action, status, operation, soft_off_seconds}. Any other VM, or
+        one not RUNNING, is refused (LocalCloudError, 400)."""
+        body = {
+            "soft_off_seconds": soft_off_seconds,
+            **({"project": project} if project else {}),
+            **({"zone": zone} if zone else {}),
+        }
+        return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/preempt", body)
+
     def set_sshd_paused(self, name: str, paused: bool) -> dict:
         """Freeze the sshd of running VM `name` (connections queue, no SSH banner) or let it go on."""
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/sshd", {"paused": paused})

@@ -65,6 +65,12 @@ _ZONE_EXHAUSTED_WITH_DETAILS = (
     "the request.  '(resource type:compute)'."
 )
 _QUOTA = "Quota 'CPUS' exceeded.  Limit: 0.0 in region {region}."
+# Spot and flex-start TPU VMs count against the preemptible TPU quota, metric
+# compute.googleapis.com/PREEMPTIBLE_TPU_V6E for v6e (Google's flex-start VMs announcement: they
+# "consume preemptible quota"; the metric's name as public TPU setup guides and scripts quote it,
+# e.g. the Cloud Console quota link metric=compute.googleapis.com%2Fpreemptible_tpu_v6e); the
+# message is the quota error's own shape (_QUOTA above) with that metric.
+_PREEMPTIBLE_TPU_QUOTA = "Quota 'PREEMPTIBLE_TPU_V6E' exceeded.  Limit: 0.0 in region {region}."
 _INTERNAL = "Internal error. Please try again or contact Google Support. (Code: '{support_code}')"
 _PERMISSION = "Required 'compute.instances.create' permission for 'projects/{project}/zones/{zone}/instances/{name}'"
 
@@ -125,13 +131,20 @@ INSTANCE_ERRORS = {
     ),
     # CA isQuotaExceededErrorCode (operation); Google's bulk-creation page and SkyPilot (synchronous)
     "quota_exceeded": InstanceError("QUOTA_EXCEEDED", _QUOTA, 403, "quotaExceeded", "usageLimits"),
+    "preemptible_tpu_quota_exceeded": InstanceError(
+        "QUOTA_EXCEEDED", _PREEMPTIBLE_TPU_QUOTA, 403, "quotaExceeded", "usageLimits"
+    ),
     # CA isPermissionsError (operation); Google's error catalog, gcloud and Terraform (synchronous)
     "permission_denied": InstanceError("PERMISSIONS_ERROR", _PERMISSION, 403, "forbidden"),
 }
 
 # Operation error code → the message a failed operation carries when the fault names none.
 OPERATION_ERROR_MESSAGES = {
-    **{error.code: error.message for error in INSTANCE_ERRORS.values() if error.code != "CONDITION_NOT_MET"},
+    **{
+        error.code: error.message
+        for name, error in INSTANCE_ERRORS.items()
+        if error.code != "CONDITION_NOT_MET" and name != "preemptible_tpu_quota_exceeded"
+    },
     "RESOURCE_NOT_FOUND": "The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found",
     "INTERNAL_ERROR": _INTERNAL,
 }

@@ -35,7 +35,8 @@ class Faults:
     reservation_full, reservation_not_found, reservation_incompatible, org_policy,
     unsupported_tpu_configuration (CONDITION_NOT_MET; synchronously 412 conditionNotMet),
     zone_resource_pool_exhausted[_with_details] (503), quota_exceeded (QUOTA_EXCEEDED;
-    synchronously 403 quotaExceeded, domain usageLimits), permission_denied (PERMISSIONS_ERROR;
+    synchronously 403 quotaExceeded, domain usageLimits), preemptible_tpu_quota_exceeded (the same,
+    for the preemptible TPU v6e quota that Spot and flex-start TPU VMs use), permission_denied (PERMISSIONS_ERROR;
     synchronously 403 forbidden). Explicit code, reason, status or message override the preset's.
 
     insert_fails_after_accept  {"preset": "reservation_full"} or {"code": "ZONE_RESOURCE_POOL_EXHAUSTED",
@@ -82,6 +83,16 @@ class Faults:
         `seconds` after becoming RUNNING (a hung sshd, frozen with SIGSTOP); then sshd serves
         the queued connections and new ones as usual.
 
+    flex_start_wait  {"seconds": 120, "name_regex", "count"}
+        The next flex-start instance(s) (provisioningModel FLEX_START) find capacity `seconds`
+        after their insert. With params.requestValidForDuration of 90 s or more the instance is
+        PENDING meanwhile (no VM, no address in use by a process, nothing consumed) and its insert
+        operation RUNNING; then it goes PROVISIONING, STAGING, RUNNING with its sshd as usual and
+        the operation ends DONE. If `seconds` exceeds requestValidForDuration, at that expiry the
+        instance is deleted and the operation ends DONE with ZONE_RESOURCE_POOL_EXHAUSTED (503).
+        Without requestValidForDuration, or under 90 s, capacity must be there at once: the insert's
+        operation fails so at once. Other provisioning models ignore the rule (it is not used up).
+
     host_key_mismatch  {"name_regex", "count"}
         The next VM(s) created publish, in their guest attributes (hostkeys/), an Ed25519 host
         key that is not their sshd's: what a client sees when something else answers at the
@@ -89,7 +100,8 @@ class Faults:
     """
 
     PER_INSTANCE = {
-        "insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout", "host_key_mismatch"
+        "insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout", "host_key_mismatch",
+        "flex_start_wait",
     }
     OPERATIONS = ("insert", "delete")
 
@@ -235,6 +247,7 @@ class Faults:
         "ssh_refused": _check_sshd,
         "ssh_banner_timeout": _check_sshd,
         "host_key_mismatch": _check_host_key_mismatch,
+        "flex_start_wait": _check_sshd,  # the same settings: seconds (required), name_regex
     }
     # Kinds whose rules without `count` stay on until replaced (kept as it always was).
     STICKY = {"insert_fails_after_accept"}

@@ -30,7 +30,10 @@ from .resources import (
     Link, Request, aggregated_list, check_labels, check_metadata, new_fingerprint, new_id, now_rfc3339, parse_rfc3339,
     query_arg, region_of, relative_url, stored_metadata, validated_body, zonal_list,
 )
-from .scheduling import check_host_maintenance, check_reservation_bound, stored_scheduling
+from .scheduling import (
+    FLEX_START_MIN_PENDING_SECONDS, check_capacity_model, check_host_maintenance, check_reservation_bound,
+    request_valid_for, stored_scheduling,
+)
 from .vm import SandboxVM
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,11 @@ class Instance:
         self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
         self.published_host_key: tuple[str, str] | None = None  # host_key_mismatch: (type, base64)
         self.reservation: tuple[str, str, str] | None = None  # (project, zone, name) it consumes
+        # Flex-start: the insert's params.requestValidForDuration (seconds; None if not given) and
+        # the flex_start_wait fault it took (how long capacity takes to come, in seconds).
+        self.request_valid_for: float | None = None
+        self.capacity_wait: float | None = None
+        self.preempted = False  # preempted by the cloud (LocalCloud.preempt_vm)
         self.boot_disk_id = new_id()  # the boot disk's own id (an image's sourceDiskId)
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
         self.work_lock = threading.Lock()
@@ -125,6 +133,8 @@ class InstanceResources(Operations):
                 reservation, refused = None, {"preset": refusal.preset}
             inst = Instance(project, zone, name, resource, image_dir)
             inst.reservation = reservation
+            if scheduling["provisioningModel"] == "FLEX_START":
+                inst.request_valid_for = request_valid_for(body)
             inst.termination_action = scheduling.get("instanceTerminationAction")
             if "maxRunDuration" in scheduling:
                 duration = scheduling["maxRunDuration"]
@@ -145,6 +155,12 @@ class InstanceResources(Operations):
                 or self.faults.take("insert_fails_after_accept")
                 or self.faults.take("operation_errors", name=name, operation="insert"),
             )
+            if faults.fail is None and scheduling["provisioningModel"] == "FLEX_START":
+                if wait := self.faults.take("flex_start_wait", name=name):
+                    inst.capacity_wait = wait["seconds"]
+                    if (inst.request_valid_for or 0) >= FLEX_START_MIN_PENDING_SECONDS:
+                        # Waiting for capacity (instance life-cycle page, see scheduling.py).
+                        resource["status"] = "PENDING"
             if faults.fail is None:
                 faults.ssh_refused = self.faults.take("ssh_refused", name=name)
                 faults.ssh_banner_timeout = self.faults.take("ssh_banner_timeout", name=name)
@@ -220,6 +236,9 @@ class InstanceResources(Operations):
         )
         check_host_maintenance(machine_name, body.get("scheduling") or {}, resource["scheduling"])
         check_reservation_bound(resource["scheduling"], body.get("reservationAffinity") or {})
+        check_capacity_model(
+            body.get("scheduling") or {}, resource["scheduling"], body.get("reservationAffinity") or {}, body
+        )
         for i, nic in enumerate(resource["networkInterfaces"]):
             network = relative_url(nic.get("network") or "global/networks/default")
             if not network.startswith("projects/"):
@@ -281,6 +300,7 @@ class InstanceResources(Operations):
             previous_status = inst.status
             inst.deleting = True
             inst.resource["status"] = "STOPPING"
+            self.changed.notify_all()  # a flex-start wait for capacity ends (lifecycle._wait_for_capacity)
             op = self._new_operation(inst, "delete", request_id)
             hang = self.faults.take("operation_hangs", name=inst.name, operation="delete")
             hang_epoch = self.faults.cleared("operation_hangs")

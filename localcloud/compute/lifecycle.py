@@ -1,10 +1,12 @@
 """The VM side of instances: the worker threads that carry an insert, delete or stop to DONE (the
-sandbox VM made, started, stopped or destroyed; the faults that delay or fail them), VM time
-limits (scheduling.maxRunDuration / terminationTime), terminations by the cloud itself
-(preemption; a power-off from inside the guest, guest_power.py), and the control calls on VMs.
+sandbox VM made, started, stopped or destroyed; the faults that delay or fail them; a flex-start
+instance's wait for capacity), VM time limits (scheduling.maxRunDuration / terminationTime),
+terminations by the cloud itself (preemption of Spot VMs; a power-off from inside the guest,
+guest_power.py), and the control calls on VMs.
 
 Owns: InstanceLifecycle (no tables of its own: it changes the instances of instances.py).
-Imports operations, instances, faults, error_catalog, guest, guest_power, disk_images and vm.
+Imports operations, instances, faults, error_catalog, guest, guest_power, disk_images, scheduling
+and vm.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from .errors import ApiError
 from .faults import InsertFaults
 from .guest import GuestAccounts
 from .instances import Instance
-from .operations import Operations
+from .operations import Operations, new_operation_name
 from .resources import now_rfc3339, rfc3339
+from .scheduling import FLEX_START_MIN_PENDING_SECONDS, is_spot
 from .vm import SandboxVM, pid_namespace
 
 log = logging.getLogger(__name__)
+
+# A preempted Spot VM's guest gets an ACPI G2 Soft Off and 30 seconds to shut down before the
+# G3 Mechanical Off (the discovery document's Scheduling.skipGuestOsShutdown: "30 seconds for Spot
+# VMs"; Compute Engine's "Spot VMs" page, preemption process).
+PREEMPTION_SOFT_OFF_SECONDS = 30.0
 
 
 class InstanceLifecycle(Operations):
@@ -59,6 +67,8 @@ class InstanceLifecycle(Operations):
                     self.instances.pop((inst.project, inst.zone, inst.name), None)
                     self.leases.release(inst.ip)
             self._op_done(op, (code, message), fault.get("http_status") or (preset and preset.status))
+            return
+        if inst.capacity_wait is not None and not self._wait_for_capacity(inst, op):
             return
         refuse_for = faults.ssh_refused["seconds"] if faults.ssh_refused else None
         hang_for = faults.ssh_banner_timeout["seconds"] if faults.ssh_banner_timeout else None
@@ -102,6 +112,42 @@ class InstanceLifecycle(Operations):
             threading.Thread(
                 target=self._sshd_faults, args=(inst, vm, refuse_for, hang_for, running_since), daemon=True
             ).start()
+
+    def _wait_for_capacity(self, inst: Instance, op: dict) -> bool:
+        """flex_start_wait: capacity comes `inst.capacity_wait` seconds after the insert. While it
+        waits the instance is PENDING and its insert operation RUNNING ("Flex-start creation blocks
+        until capacity is granted or the request expires", as gcloud users see it); then it goes
+        PROVISIONING (True: the insert goes on). Past its requestValidForDuration "you encounter an
+        error and Compute Engine deletes the Flex-start VM" (the instance life-cycle page): False,
+        the instance is gone and the operation DONE with an error. Which error the API gives then
+        is not published; the emulator gives the zone's stockout (ZONE_RESOURCE_POOL_EXHAUSTED,
+        503), the documented error for "resources aren't available". Under 90 s of
+        requestValidForDuration (or none) the VM never waits: "Compute Engine only allocates
+        resources if they are immediately available", so it fails at once."""
+        valid_for = inst.request_valid_for or 0.0
+        if valid_for >= FLEX_START_MIN_PENDING_SECONDS:
+            deadline = time.monotonic() + min(inst.capacity_wait, valid_for)
+            with self.changed:
+                while not self.closing and not inst.deleting:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.changed.wait(left)
+                if self.closing or inst.deleting:
+                    return True  # deleted while waiting: the insert fails as for any deleted instance
+                if inst.capacity_wait <= valid_for:
+                    inst.resource["status"] = "PROVISIONING"
+                    self.changed.notify_all()
+                    return True
+        log.info("%s: no flex-start capacity within %s s", inst.path, valid_for)
+        with self.changed:
+            if self.instances.get((inst.project, inst.zone, inst.name)) is inst:
+                self.instances.pop((inst.project, inst.zone, inst.name))
+                self.leases.release(inst.ip)
+            self.changed.notify_all()
+        code = "ZONE_RESOURCE_POOL_EXHAUSTED"
+        self._op_done(op, (code, self._operation_message(code, inst)), 503)
+        return False
 
     def _mark_running(self, inst: Instance) -> float:
         """RUNNING from now (under the lock); arms the instance's time limit. Returns the time."""
@@ -286,22 +332,24 @@ class InstanceLifecycle(Operations):
 
         return None, finish
 
+    def _named_instance(self, name: str, project: str | None, zone: str | None) -> Instance:
+        """The one instance named `name` (in `project` and `zone` when given), under the lock."""
+        found = [
+            i for i in self.instances.values() if i.name == name and project in (None, i.project) and zone in (None, i.zone)
+        ]
+        if not found:
+            raise ApiError(404, "notFound", f"localcloud: no instance named '{name}'.")
+        if len(found) > 1:
+            raise errors.invalid(f"Several instances are named '{name}': give project and zone.")
+        return found[0]
+
     def terminate(self, name: str, action: str, project: str | None = None, zone: str | None = None) -> dict:
         """Terminate an instance the way the cloud itself does (preemption, its time limit):
         no API call, no operation; returns when done."""
         if action not in ("DELETE", "STOP"):
             raise errors.invalid(f"Unknown action '{action}': DELETE or STOP.")
         with self.changed:
-            found = [
-                i
-                for i in self.instances.values()
-                if i.name == name and project in (None, i.project) and zone in (None, i.zone)
-            ]
-            if not found:
-                raise ApiError(404, "notFound", f"localcloud: no instance named '{name}'.")
-            if len(found) > 1:
-                raise errors.invalid(f"Several instances are named '{name}': give project and zone.")
-            inst = found[0]
+            inst = self._named_instance(name, project, zone)
             if inst.deleting:
                 raise errors.not_ready(inst.path)
             if action == "STOP" and inst.status != "RUNNING":
@@ -311,6 +359,81 @@ class InstanceLifecycle(Operations):
         with self.lock:
             status = "DELETED" if action == "DELETE" else inst.status
         return {"name": inst.name, "project": inst.project, "zone": inst.zone, "action": action, "status": status}
+
+    def preempt(
+        self,
+        name: str,
+        project: str | None = None,
+        zone: str | None = None,
+        soft_off_seconds: float = PREEMPTION_SOFT_OFF_SECONDS,
+    ) -> dict:
+        """Preempt a RUNNING Spot (or preemptible) VM as Compute Engine does (its "Spot VMs" page,
+        preemption process): the zone's operations get a DONE compute.instances.preempted
+        operation, the instance goes STOPPING while its guest has `soft_off_seconds` of ACPI G2
+        soft off (its processes keep running), then it is TERMINATED (instanceTerminationAction
+        STOP, the default) or deleted (DELETE). Returns at once, before the soft off ends.
+
+        The operation's fields are those of a real one (GoogleCloudPlatform/gcpdiag,
+        test-data/gce5/json-dumps/global-operations.json): name systemevent-..., user "system",
+        statusMessage "Instance was preempted.", progress 100, status DONE, insertTime =
+        startTime = endTime, targetLink, targetId, zone, selfLink, id, kind."""
+        if not isinstance(soft_off_seconds, (int, float)) or isinstance(soft_off_seconds, bool) or not (
+            0 <= soft_off_seconds <= 3600
+        ):
+            raise errors.invalid("soft_off_seconds must be a number of seconds from 0 to 3600.")
+        with self.changed:
+            inst = self._named_instance(name, project, zone)
+            scheduling = inst.resource["scheduling"]
+            if not is_spot(scheduling):
+                raise errors.invalid(
+                    f"Instance '{inst.path}' has provisioningModel {scheduling.get('provisioningModel')}: "
+                    "only a Spot or preemptible instance is preempted."
+                )
+            if inst.deleting or inst.status != "RUNNING":
+                raise errors.invalid(f"Instance '{inst.path}' is {inst.status}: only a RUNNING instance is preempted.")
+            action = inst.termination_action or "STOP"
+            op = self._register_operation(
+                inst.project,
+                inst.zone,
+                "compute.instances.preempted",
+                inst.path,
+                inst.resource["id"],
+                None,
+                name=new_operation_name("systemevent"),
+                user="system",
+            )
+            op.update(
+                status="DONE",
+                progress=100,
+                startTime=op["insertTime"],
+                endTime=op["insertTime"],
+                statusMessage="Instance was preempted.",
+            )
+            inst.preempted = True
+            log.info("%s preempted: %s after %s s of soft off", inst.path, action, soft_off_seconds)
+            self._begin_termination(inst, action)
+            answer = {
+                "name": inst.name,
+                "project": inst.project,
+                "zone": inst.zone,
+                "action": action,
+                "status": inst.status,
+                "operation": op["name"],
+                "soft_off_seconds": soft_off_seconds,
+            }
+
+        def soft_off_then_off() -> None:
+            # The soft off ends early if the emulator closes or (STOP) the API deletes the instance.
+            deadline = time.monotonic() + soft_off_seconds
+            with self.changed:
+                while not self.closing and not (action == "STOP" and inst.deleting):
+                    if (left := deadline - time.monotonic()) <= 0:
+                        break
+                    self.changed.wait(left)
+            self._finish_termination(inst, action)
+
+        threading.Thread(target=soft_off_then_off, name=f"preempt-{inst.name}", daemon=True).start()
+        return answer
 
     def pause_sshd(self, name: str, paused: bool) -> dict:
         """Freeze (SIGSTOP) or resume the sshd of a running VM: the ssh_banner_timeout fault, but
@@ -353,6 +476,7 @@ class InstanceLifecycle(Operations):
                     "pid": vm.pid,
                     "sshd_pid": vm.ns_init_pid,
                     "status": inst.status,
+                    "preempted": inst.preempted,
                     "users": sorted(users),
                 }
             )

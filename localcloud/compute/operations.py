@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 OPERATION_USER = "localcloud-user@localcloud.invalid"
 
 
-def new_operation_name() -> str:
+def new_operation_name(prefix: str = "operation") -> str:
+    """operation-MS-HEX13-HEX8-HEX8; the cloud's own events are named systemevent-... alike (a real
+    compute.instances.preempted operation: GoogleCloudPlatform/gcpdiag,
+    test-data/gce5/json-dumps/global-operations.json)."""
     ms = int(time.time() * 1000)
-    return f"operation-{ms}-{secrets.token_hex(7)[:13]}-{secrets.token_hex(4)}-{secrets.token_hex(4)}"
+    return f"{prefix}-{ms}-{secrets.token_hex(7)[:13]}-{secrets.token_hex(4)}-{secrets.token_hex(4)}"
 
 
 class Operations(EmulatorCore):
@@ -53,11 +56,14 @@ class Operations(EmulatorCore):
         request_id: str | None,
         *,
         region: str | None = None,
+        name: str | None = None,
+        user: str = OPERATION_USER,
     ) -> dict:
         """A new PENDING operation (under the lock): zonal, regional when `region` is given (a
         `region` field instead of `zone`; stored under the key "regions/REGION", which no zone
-        name can equal), or global when neither is (a global operation has no `zone` field)."""
-        name = new_operation_name()
+        name can equal), or global when neither is (a global operation has no `zone` field).
+        `name` and `user` are for the cloud's own operations (lifecycle.preempt)."""
+        name = name or new_operation_name()
         if region:
             scope, zone = f"projects/{project}/regions/{region}", f"regions/{region}"
             located = {"region": Link(scope)}
@@ -73,7 +79,7 @@ class Operations(EmulatorCore):
             "targetLink": Link(target_path),
             "targetId": target_id,
             "status": "PENDING",
-            "user": OPERATION_USER,
+            "user": user,
             "progress": 0,
             "insertTime": now_rfc3339(),
             "selfLink": Link(f"{scope}/operations/{name}"),

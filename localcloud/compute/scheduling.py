@@ -2,9 +2,10 @@
 terminationTime, with an instanceTerminationAction), of host maintenance for TPU VMs and of the
 reservation-bound provisioning model, and the stored field with its defaults.
 
-Owns: stored_scheduling, check_host_maintenance, check_reservation_bound, MIN_RUN_SECONDS,
-MAX_RUN_SECONDS. Imports catalog, errors, resources and reservations (RESERVATION_NAME_KEY);
-no state.
+Owns: stored_scheduling, check_host_maintenance, check_reservation_bound, check_capacity_model,
+request_valid_for, is_spot, MIN_RUN_SECONDS, MAX_RUN_SECONDS, FLEX_START_MIN_RUN_SECONDS,
+FLEX_START_MAX_RUN_SECONDS, FLEX_START_MAX_WAIT_SECONDS, FLEX_START_MIN_PENDING_SECONDS. Imports
+catalog, errors, resources and reservations (RESERVATION_NAME_KEY); no state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,23 @@ from .resources import parse_rfc3339
 MIN_RUN_SECONDS = 30
 MAX_RUN_SECONDS = 120 * 24 * 3600
 
+# Flex-start (provisioningModel FLEX_START), from Google's "Create an AI-optimized instance with A4
+# or A3 Ultra" page (ai-hypercomputer/docs/create/create-vm, the flex-start REST tab):
+# MAX_RUN_DURATION "must be between 10 minutes and seven days"; REQUEST_VALID_FOR_DURATION (the
+# insert's params.requestValidForDuration) "between 90 seconds (90) and two hours (7200)", or 0:
+# "Compute Engine only allocates resources if they are immediately available". The instance
+# life-cycle page (compute/docs/instances/instance-lifecycle): only "with a wait time
+# (requestValidForDuration) that is 90 seconds or longer" does the VM go PENDING.
+FLEX_START_MIN_RUN_SECONDS = 10 * 60
+FLEX_START_MAX_RUN_SECONDS = 7 * 24 * 3600
+FLEX_START_MAX_WAIT_SECONDS = 2 * 3600
+FLEX_START_MIN_PENDING_SECONDS = 90
+
+
+def is_spot(scheduling: dict) -> bool:
+    """A Spot VM, or a legacy preemptible one (Spot VMs are the preemptible ones of today)."""
+    return scheduling.get("preemptible") is True or scheduling.get("provisioningModel") == "SPOT"
+
 
 def stored_scheduling(requested: dict) -> dict:
     """The stored `scheduling` of a new instance, after the API's checks of its time limit.
@@ -33,10 +51,11 @@ def stored_scheduling(requested: dict) -> dict:
     # The discovery document's Scheduling.onHostMaintenance: "For standard instances, the
     # default behavior is MIGRATE. For preemptible instances, the default and only possible
     # behavior is TERMINATE" (Spot VMs are the preemptible ones of today).
-    spot = requested.get("preemptible") is True or requested.get("provisioningModel") == "SPOT"
+    spot = is_spot(requested)
     scheduling = {
         "onHostMaintenance": "TERMINATE" if spot else "MIGRATE",
-        "automaticRestart": True,
+        # Scheduling.automaticRestart: "Preemptible instances cannot be automatically restarted."
+        "automaticRestart": not spot,
         "preemptible": False,
         "provisioningModel": "STANDARD",
         **{k: copy.deepcopy(v) for k, v in requested.items() if v is not None},
@@ -151,3 +170,98 @@ def check_reservation_bound(scheduling: dict, affinity: dict) -> None:
         "RESERVATION_BOUND",
         "Instances with provisioningModel RESERVATION_BOUND must consume a specific reservation.",
     )
+
+
+def _duration_seconds(duration: dict | None) -> float | None:
+    if duration is None:
+        return None
+    return int(duration.get("seconds") or 0) + int(duration.get("nanos") or 0) / 1e9
+
+
+def request_valid_for(body: dict) -> float | None:
+    """The insert's params.requestValidForDuration in seconds (None when not given)."""
+    return _duration_seconds((body.get("params") or {}).get("requestValidForDuration"))
+
+
+def check_capacity_model(requested: dict, scheduling: dict, affinity: dict, body: dict) -> None:
+    """What the API refuses of a Spot (or preemptible) and a flex-start instance.
+
+    Spot / preemptible, with the API's own words (public reports of real refusals):
+    - preemptible with another provisioning model: "Invalid value for field
+      'resource.scheduling.provisioningModel': 'STANDARD'. For preemptible, only allowed
+      provisioning_model value is SPOT" (skypilot-org/skypilot#3235);
+    - preemptible with automaticRestart true: "Invalid value for field
+      'resource.scheduling.preemptible': 'true'. Scheduling must have preemptible be false when
+      AutomaticRestart is true." (percona/mongo_terraform_ansible#34, elasticluster/elasticluster#568);
+    - a specific reservation: reservations cannot be consumed by Spot or preemptible VMs (Compute
+      Engine's reservations overview and "consume reservations" pages; skypilot-org/skypilot#2393,
+      "The reservation pool is not available for the spot VMs"). No public capture of the API's
+      message was found: the shape is the one of the reservation-bound refusal (see
+      check_reservation_bound), the sentence after the value is this emulator's.
+
+    Flex-start (FLEX_START_* above for the bounds' source):
+    - maxRunDuration is required ("Flex-start VMs run for up to seven days"; the create pages give
+      it in every request). Shape: the API's "Required field 'resource.requestedRunDuration' not
+      specified", its refusal of a flex-start (DWS) resize request without a run duration (see
+      errors.py); here for the instance's field;
+    - maxRunDuration between 10 minutes and 7 days: the shape of the API's general bound ("The max
+      run duration must be between 30 seconds and 120 days.", stored_scheduling); the flex-start
+      bounds' sentence is this emulator's;
+    - a specific reservation: every documented flex-start body has reservationAffinity
+      NO_RESERVATION (the create pages; GoogleCloudPlatform/cluster-toolkit#2874), and gcloud's
+      --provisioning-model help reserves consuming a specific reservation to RESERVATION_BOUND.
+      Shape as for Spot above; the sentence is this emulator's;
+    - params.requestValidForDuration over two hours (the documented range); the sentence is this
+      emulator's, in the shape of the time-limit refusals.
+    Flex-start with instanceTerminationAction STOP is accepted: the create page's
+    TERMINATION_ACTION is "whether Compute Engine stops (STOP) or deletes (DELETE) the VM at the
+    end of its run duration".
+    """
+    model = scheduling.get("provisioningModel")
+    specific = affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION"
+    if requested.get("preemptible") is True:
+        if requested.get("provisioningModel") not in (None, "SPOT"):
+            raise errors.invalid_field_value(
+                "resource.scheduling.provisioningModel",
+                requested["provisioningModel"],
+                "For preemptible, only allowed provisioning_model value is SPOT",
+            )
+        if requested.get("automaticRestart") is True:
+            raise errors.invalid_field_value(
+                "resource.scheduling.preemptible",
+                "true",
+                "Scheduling must have preemptible be false when AutomaticRestart is true.",
+            )
+    if is_spot(scheduling) and specific:
+        field, value = (
+            ("provisioningModel", "SPOT") if model == "SPOT" else ("preemptible", "true")
+        )
+        raise errors.invalid_field_value(
+            f"resource.scheduling.{field}",
+            value,
+            "Spot and preemptible instances cannot consume a specific reservation.",
+        )
+    if model != "FLEX_START":
+        return
+    duration = _duration_seconds(scheduling.get("maxRunDuration"))
+    if duration is None:
+        raise errors.required_field("resource.scheduling.maxRunDuration")
+    if not FLEX_START_MIN_RUN_SECONDS <= duration <= FLEX_START_MAX_RUN_SECONDS:
+        raise errors.invalid_field_value(
+            "resource.scheduling.maxRunDuration.seconds",
+            scheduling["maxRunDuration"]["seconds"],
+            "The max run duration of a FLEX_START instance must be between 10 minutes and 7 days.",
+        )
+    if specific:
+        raise errors.invalid_field_value(
+            "resource.scheduling.provisioningModel",
+            "FLEX_START",
+            "Instances with provisioningModel FLEX_START cannot consume a specific reservation.",
+        )
+    wait = request_valid_for(body)
+    if wait is not None and not 0 <= wait <= FLEX_START_MAX_WAIT_SECONDS:
+        raise errors.invalid_field_value(
+            "resource.params.requestValidForDuration.seconds",
+            body["params"]["requestValidForDuration"].get("seconds"),
+            "The request valid for duration must be between 0 seconds and 2 hours.",
+        )

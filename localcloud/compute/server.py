@@ -130,6 +130,14 @@ class ControlApi:
                 raise ApiError(400, "invalid", 'Expected {"action": "DELETE" | "STOP", "project"?, "zone"?}.')
             name = unquote(m.group(1))
             return 200, emulator.terminate(name, body.get("action", "DELETE"), body.get("project"), body.get("zone"))
+        if (m := re.fullmatch(r"vms/([^/]+)/preempt", what)) and method == "POST":
+            # {"project"?, "zone"?, "soft_off_seconds"?: 30}: preempt a Spot VM as the cloud does.
+            body = body if body is not None else {}
+            if not isinstance(body, dict) or set(body) - {"project", "zone", "soft_off_seconds"}:
+                raise ApiError(400, "invalid", 'Expected {"project"?, "zone"?, "soft_off_seconds"?: 30}.')
+            return 200, emulator.preempt(
+                unquote(m.group(1)), body.get("project"), body.get("zone"), body.get("soft_off_seconds", 30.0)
+            )
         if (m := re.fullmatch(r"vms/([^/]+)/sshd", what)) and method == "POST":
             # {"paused": true | false}: freeze a running VM's sshd (no banner) or let it go on.
             if not isinstance(body, dict) or set(body) != {"paused"} or not isinstance(body["paused"], bool):

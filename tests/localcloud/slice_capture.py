@@ -90,7 +90,9 @@ def capture(cloud, gcloud) -> dict:
     }
 
 
-def main() -> None:
+def write_fixture(capture_fn, fixture: Path) -> None:
+    """Run `capture_fn(cloud, gcloud)` against a fresh local cloud (the tutorial's image family
+    mapped to an empty image) and write what it returns to `fixture`."""
     from localcloud.cloud import LocalCloud
     from localcloud.compute import testing
     from tests.gcloud import gcloud_runner
@@ -99,9 +101,13 @@ def main() -> None:
         image = Path(tmp) / "image"
         (image / "skel").mkdir(parents=True)
         with LocalCloud(Path(tmp) / "cloud", images={testing.TUTORIAL_IMAGE_KEY: image}) as cloud:
-            result = capture(cloud, gcloud_runner(Path(tmp) / "gcloud", cloud.compute_endpoint))
-    FIXTURE.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {FIXTURE}")
+            result = capture_fn(cloud, gcloud_runner(Path(tmp) / "gcloud", cloud.compute_endpoint))
+    fixture.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {fixture}")
+
+
+def main() -> None:
+    write_fixture(capture, FIXTURE)
 
 
 if __name__ == "__main__":
