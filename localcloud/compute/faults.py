@@ -91,7 +91,10 @@ class Faults:
         the operation ends DONE. If `seconds` exceeds requestValidForDuration, at that expiry the
         instance is deleted and the operation ends DONE with ZONE_RESOURCE_POOL_EXHAUSTED (503).
         Without requestValidForDuration, or under 90 s, capacity must be there at once: the insert's
-        operation fails so at once. Other provisioning models ignore the rule (it is not used up).
+        operation fails so at once. `"expires": true`: no capacity comes, and the request expires
+        after `seconds` as it would at the end of its requestValidForDuration (a test need not wait
+        out the 90 s the API's shortest request lasts). Other provisioning models ignore the rule
+        (it is not used up).
 
     host_key_mismatch  {"name_regex", "count"}
         The next VM(s) created publish, in their guest attributes (hostkeys/), an Ed25519 host
@@ -234,6 +237,14 @@ class Faults:
         Faults._regex(rule, "name_regex")
 
     @staticmethod
+    def _check_flex_start_wait(rule: dict) -> None:
+        Faults._keys(rule, {"seconds", "name_regex", "expires"})
+        Faults._seconds(rule, required=True)
+        Faults._regex(rule, "name_regex")
+        if "expires" in rule and not isinstance(rule["expires"], bool):
+            raise ValueError("'expires' must be a boolean")
+
+    @staticmethod
     def _check_host_key_mismatch(rule: dict) -> None:
         Faults._keys(rule, {"name_regex"})
         Faults._regex(rule, "name_regex")
@@ -247,7 +258,7 @@ class Faults:
         "ssh_refused": _check_sshd,
         "ssh_banner_timeout": _check_sshd,
         "host_key_mismatch": _check_host_key_mismatch,
-        "flex_start_wait": _check_sshd,  # the same settings: seconds (required), name_regex
+        "flex_start_wait": _check_flex_start_wait,
     }
     # Kinds whose rules without `count` stay on until replaced (kept as it always was).
     STICKY = {"insert_fails_after_accept"}

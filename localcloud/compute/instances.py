@@ -58,6 +58,7 @@ class Instance:
         # the flex_start_wait fault it took (how long capacity takes to come, in seconds).
         self.request_valid_for: float | None = None
         self.capacity_wait: float | None = None
+        self.expires_unserved = False  # flex_start_wait's "expires": the request ends at capacity_wait, unserved
         self.preempted = False  # preempted by the cloud (LocalCloud.preempt_vm)
         self.boot_disk_id = new_id()  # the boot disk's own id (an image's sourceDiskId)
         # Serialises the VM-side work of insert, setMetadata and delete on this instance.
@@ -158,6 +159,7 @@ class InstanceResources(Operations):
             if faults.fail is None and scheduling["provisioningModel"] == "FLEX_START":
                 if wait := self.faults.take("flex_start_wait", name=name):
                     inst.capacity_wait = wait["seconds"]
+                    inst.expires_unserved = wait.get("expires", False)
                     if (inst.request_valid_for or 0) >= FLEX_START_MIN_PENDING_SECONDS:
                         # Waiting for capacity (instance life-cycle page, see scheduling.py).
                         resource["status"] = "PENDING"

@@ -127,6 +127,8 @@ class InstanceLifecycle(Operations):
         valid_for = inst.request_valid_for or 0.0
         if valid_for >= FLEX_START_MIN_PENDING_SECONDS:
             deadline = time.monotonic() + min(inst.capacity_wait, valid_for)
+            if inst.expires_unserved:  # the fault's early end of the request's validity
+                valid_for = min(valid_for, inst.capacity_wait) - 0.001
             with self.changed:
                 while not self.closing and not inst.deleting:
                     left = deadline - time.monotonic()

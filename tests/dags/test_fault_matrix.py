@@ -37,6 +37,9 @@ class Fault:
     # `preemptions` times; the MaxText faults are lifted after the last one.
     preempt_after: str | None = None
     preemptions: int = 1
+    # How the VM goes: deleted as the cloud deletes one (terminate_vm), or a Spot preemption
+    # (preempt_vm: the compute.instances.preempted operation, a soft off, then deleted).
+    spot_preemption: bool = False
     cloud_after_preempt: dict | None = None  # cloud faults set for the (last) preemption, as it happens
     # The VM's sshd is frozen (no SSH banner: the VM is up but unreachable) once its training
     # log has this text; the MaxText faults are lifted once that VM is gone.
@@ -46,6 +49,9 @@ class Fault:
 
 
 DURABLE_CONF = {"output_location": "gs://fault-matrix/outputs", "checkpoint_period": 3}
+# A Spot VM instead of the reservation's; a stockout is asked again every 2 s (capacity_poll_seconds).
+SPOT_CONF = {"capacity": "spot", "reservation": None}
+FLEX_START_CONF = {"capacity": "flex-start", "reservation": None, "flex_start_valid_minutes": 2}
 # Holds the training after step 4 (checkpoints 1 and 3 committed) until the VM is deleted.
 HELD_AT_STEP_5 = {"train_sft": {"stall_at_step": 5}}
 # A frozen sshd answers no banner: each poke waits 3 s, and 10 s of that make the VM lost.
@@ -198,6 +204,61 @@ MATRIX = [
         failed_task="wait_for_final_checkpoint",
         cause="already recreated its VM 1 time(s) (max_vm_recoveries=1)",
     ),
+    # Capacity without a reservation (issue 31).
+    Fault(
+        "Spot VM preempted twice mid-training: resumes each time, preemptions counted apart",
+        conf={**SPOT_CONF, "max_vm_recoveries": 0},
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        preemptions=2,
+        spot_preemption=True,
+        recoveries=2,
+        durable=True,
+        outcome="success",
+    ),
+    Fault(
+        "Spot VM preempted more often than max_preemptions",
+        conf={**SPOT_CONF, "max_preemptions": 1},
+        maxtext=HELD_AT_STEP_5,
+        preempt_after="completed step: 4,",
+        preemptions=2,
+        spot_preemption=True,
+        durable=True,
+        failed_task="wait_for_final_checkpoint",
+        cause="already been preempted 1 time(s) (max_preemptions=1)",
+    ),
+    Fault(
+        "Spot stockout twice (on the operation): waited out deferred, then created",
+        conf=SPOT_CONF,
+        cloud={"insert_fails_after_accept": {"preset": "zone_resource_pool_exhausted", "count": 2}},
+        durable=True,
+        outcome="success",
+        log="Asking for the VM again after the zone's stockout",
+        tries=1,
+    ),
+    Fault(
+        "Spot stockout past max_capacity_wait_minutes: fails naming the zone",
+        conf={**SPOT_CONF, "max_capacity_wait_minutes": 0},
+        cloud={"insert_fails_after_accept": {"preset": "zone_resource_pool_exhausted"}},
+        durable=True,
+        failed_task="create_vm",
+        cause="had no machine for it",
+    ),
+    Fault(
+        "flex-start request queued 8 s (PENDING), then the VM trains",
+        conf=FLEX_START_CONF,
+        cloud={"flex_start_wait": {"seconds": 8}},
+        outcome="success",
+        log="The flex-start request got its machine after",
+        tries=1,
+    ),
+    Fault(
+        "flex-start request expires without a machine: fails naming the expiry, nothing left",
+        conf=FLEX_START_CONF,
+        cloud={"flex_start_wait": {"seconds": 6, "expires": True}},
+        failed_task="create_vm",
+        cause="expired after",
+    ),
     Fault(
         "VM unreachable mid-training (sshd frozen): lost after the bound, replaced, resumes",
         conf=UNREACHABLE_CONF,
@@ -241,7 +302,8 @@ def test_fault(fault, run_pipeline, local_cloud):
     if fault.preempt_after:
         saboteur = threading.Thread(
             target=preempt_when_logged,
-            args=(local_cloud, fault.preempt_after, fault.preemptions, fault.cloud_after_preempt, test_over),
+            args=(local_cloud, fault.preempt_after, fault.preemptions, fault.cloud_after_preempt, test_over,
+                  fault.spot_preemption),
             daemon=True,
         )
     elif fault.freeze_sshd_after:
@@ -332,19 +394,23 @@ def freeze_sshd_when_logged(cloud, text: str, test_over: threading.Event, timeou
 
 
 def preempt_when_logged(
-    cloud, text: str, times: int, cloud_faults: dict | None, test_over: threading.Event, timeout: float = 300
+    cloud, text: str, times: int, cloud_faults: dict | None, test_over: threading.Event, spot: bool = False,
+    timeout: float = 300,
 ) -> None:
     """Delete the run's VM the way the cloud does once its training log shows `text`, `times`
     times (each recreated VM anew), with `cloud_faults` set just before the last deletion (the
     recovery may insert as soon as the VM is gone); then lift the MaxText faults, so a resumed
-    training finishes."""
+    training finishes. `spot`: preempt it instead (a second of soft off, then deleted)."""
     deadline = time.monotonic() + timeout
     while times and time.monotonic() < deadline and not test_over.is_set():
         for vm in cloud.vms():
-            if training_logged(cloud, vm, text):
+            if not vm.get("preempted") and training_logged(cloud, vm, text):
                 if times == 1 and cloud_faults:
                     cloud.set_faults(cloud_faults)
-                cloud.terminate_vm(vm["name"], "DELETE")
+                if spot:
+                    cloud.preempt_vm(vm["name"], soft_off_seconds=1)
+                else:
+                    cloud.terminate_vm(vm["name"], "DELETE")
                 times -= 1
                 break
         test_over.wait(0.2)  # polling interval; the VM's files are re-read each time

@@ -4,11 +4,14 @@ body each capacity type sends (the gcloud-equality of those bodies is tested aga
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from maxtext_sft.run.maxtext_args import MAX_DERIVED_SPOT_CHECKPOINT_PERIOD
 from maxtext_sft.run.params import CAPACITIES, SpecError
 from maxtext_sft.run.spec import FLEX_START_MAX_RUN_MINUTES, build_run_spec
+from tests.conftest import REPO
 from tests.plugins.test_spec import RUN_ID, STARTED, make_spec
 
 IDENTITY = dict(
@@ -55,10 +58,12 @@ def test_spot_without_an_output_location_is_refused_nothing_could_resume():
 
 def test_flex_start_refuses_a_lifetime_over_seven_days():
     assert spec_for("flex-start", max_run_duration_minutes=FLEX_START_MAX_RUN_MINUTES).max_run_duration_minutes == 10080
-    with pytest.raises(SpecError, match="a flex-start VM runs at most 7 days"):
+    with pytest.raises(SpecError, match="a flex-start VM runs 10 minutes to 7 days"):
         spec_for("flex-start", max_run_duration_minutes=FLEX_START_MAX_RUN_MINUTES + 1)
+    with pytest.raises(SpecError, match="a flex-start VM runs 10 minutes to 7 days"):
+        spec_for("flex-start", max_run_duration_minutes=9)
     # The default lifetime is added up from the step limits: a long training limit exceeds it too.
-    with pytest.raises(SpecError, match="lower the step time limits"):
+    with pytest.raises(SpecError, match="change the step time limits"):
         spec_for("flex-start", training_timeout_hours=24 * 7)
 
 
@@ -137,3 +142,47 @@ def test_the_rehearsal_of_any_capacity_is_an_on_demand_vm(capacity):
     assert body["scheduling"]["provisioning_model"] == "STANDARD" and "params" not in body
     assert body["reservation_affinity"] == {"consume_reservation_type": "NO_RESERVATION"}
     assert spec.consumed_reservation is None
+
+
+# Where each capacity's insert body may differ from gcloud 528's for the same flags, and why:
+# {field: (gcloud's, ours)}.
+GCLOUD_DIFFERENCES = {
+    # gcloud sends its default, automaticRestart true; a failed flex-start VM is better TERMINATED
+    # and replaced by the training sensor than restarted with no training on it.
+    "flex-start": {"scheduling.automaticRestart": (True, False)},
+    # gcloud sends no affinity without --reservation-affinity; a Spot VM cannot consume one anyway.
+    "spot": {"reservationAffinity": (None, {"consumeReservationType": "NO_RESERVATION"})},
+}
+GCLOUD_CAPTURE = REPO / "tests" / "fixtures" / "gcloud-capacity-requests.json"
+
+
+def _without_empty(value):
+    """The REST JSON without the empty lists and objects the client library writes for unset fields."""
+    if isinstance(value, dict):
+        kept = {key: _without_empty(item) for key, item in value.items()}
+        return {key: item for key, item in kept.items() if item not in ([], {})}
+    return value
+
+
+@pytest.mark.parametrize("capacity", ["spot", "on-demand", "flex-start"])
+def test_each_body_sends_what_gcloud_528_sends_for_the_same_flags(capacity):
+    """The captured commands ask for a 24 h lifetime (the Spot one for none): so does the spec."""
+    from google.cloud.compute_v1 import Instance
+
+    [step] = [s for s in json.loads(GCLOUD_CAPTURE.read_text())["steps"] if s["capacity"] == capacity]
+    [inserted] = [r["body"] for r in step["requests"] if r["method"] == "POST" and r["path"].split("?")[0].endswith("/instances")]
+    spec = spec_for(capacity, max_run_duration_minutes=24 * 60, cloud_enforced_lifetime=capacity != "spot")
+    ours = _without_empty(json.loads(Instance.to_json(Instance(spec.instance_body()))))
+    fields = {
+        f"scheduling.{key}" for key in {*inserted["scheduling"], *ours["scheduling"]}
+    } | {"reservationAffinity"}
+
+    def at(body, path):
+        for part in path.split("."):
+            body = (body or {}).get(part)
+        return body
+
+    found = {path: (at(inserted, path), at(ours, path)) for path in fields if at(inserted, path) != at(ours, path)}
+    assert found == GCLOUD_DIFFERENCES.get(capacity, {})
+    if capacity == "flex-start":  # gcloud 528 cannot send the request's validity
+        assert "params" not in inserted and ours["params"] == {"requestValidForDuration": {"seconds": "7200"}}

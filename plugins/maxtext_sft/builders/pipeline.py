@@ -223,6 +223,7 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
             lifetime_minutes=run["lifetime_minutes"],
             reservation=run["reservation"],
             waits_out_stockouts=run["waits_out_stockouts"],
+            queue_minutes=run["queue_minutes"],
             max_capacity_wait_minutes=run["max_capacity_wait_minutes"],
             **capacity_reads(),
             gcp_conn_id=GCP_CONN_ID,

@@ -2,6 +2,7 @@
 
 ReservationCapacityTrigger waits until a reservation has a machine free; StockoutWaitTrigger
 pauses before an insert refused for a stockout is asked again (a run with no reservation);
+QueuedInsertTrigger waits for a flex-start VM's queued request to get its machine;
 CreateVmStartTrigger (below) is create_vm's whole wait, started by the scheduler, which inserts
 the VM itself.
 
@@ -202,6 +203,101 @@ class StockoutWaitTrigger(BaseTrigger):
             return
         event = {"status": "free", "free": None, "count": None, "checked_at": time.time(), "deadline": self.deadline}
         yield TriggerEvent(event)
+
+
+class QueuedInsertTrigger(BaseTrigger):
+    """Wait for a flex-start VM's queued request: the instance is PENDING (no machine, nothing
+    billed: the discovery document's Instance.status) until Compute Engine has a machine, then
+    PROVISIONING, STAGING, RUNNING; or the request expires at its requestValidForDuration and the
+    instance is deleted, its insert operation ending with an error. Polls instances.get every
+    `poll_interval` (and the insert's `operation`, when known, once the instance is gone).
+
+    Events (one, then the trigger ends):
+      {"status": "running", "queued_seconds": S}                        the VM is RUNNING
+      {"status": "ended", "instance_status": X, "operation": {...}|None, "queued_seconds": S}
+                                                                        no machine came: the request ended
+      {"status": "timeout", "queued_seconds": S}                        still PENDING at `deadline`
+    A read that fails for a passing reason is read again at the next poll.
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        zone: str,
+        resource_id: str,
+        deadline: float | int | str | datetime,
+        operation: str | None = None,
+        gcp_conn_id: str = "google_cloud_default",
+        poll_interval: float = CAPACITY_POLL_SECONDS,
+        impersonation_chain: str | Sequence[str] | None = None,
+        queued_since: float | None = None,
+    ):
+        super().__init__()
+        self.project_id = project_id
+        self.zone = zone
+        self.resource_id = resource_id
+        self.deadline = epoch_seconds(deadline)
+        self.operation = operation
+        self.gcp_conn_id = gcp_conn_id
+        self.poll_interval = float(poll_interval)
+        self.impersonation_chain = impersonation_chain
+        self.queued_since = time.time() if queued_since is None else float(queued_since)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "project_id": self.project_id,
+                "zone": self.zone,
+                "resource_id": self.resource_id,
+                "deadline": self.deadline,
+                "operation": self.operation,
+                "gcp_conn_id": self.gcp_conn_id,
+                "poll_interval": self.poll_interval,
+                "impersonation_chain": self.impersonation_chain,
+                "queued_since": self.queued_since,
+            },
+        )
+
+    def _hook(self) -> ComputeEngineEndpointHook:
+        return ComputeEngineEndpointHook(gcp_conn_id=self.gcp_conn_id, impersonation_chain=self.impersonation_chain)
+
+    def _read(self) -> tuple[str | None, dict | None]:
+        """(the instance's status, the insert operation once DONE or gone, else None)."""
+        hook = self._hook()
+        where = {"zone": self.zone, "project_id": self.project_id}
+        status = hook.instance_status(self.resource_id, **where)
+        if status in ("PENDING", "PROVISIONING", "STAGING", "RUNNING") or self.operation is None:
+            return status, None
+        operation = hook.get_zone_operation(self.operation, **where)
+        return status, operation if operation is None or operation.get("status") == "DONE" else {"status": "RUNNING"}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        last = None
+        while True:
+            queued = round(time.time() - self.queued_since, 1)
+            try:
+                status, operation = await asyncio.to_thread(self._read)
+            except Exception as error:  # noqa: BLE001 - a passing failure is read again; others end the wait
+                if not passing_failure(error):
+                    raise
+                self.log.warning("Reading the queued VM %s: %s; reading again", self.resource_id, error)
+            else:
+                if status != last:
+                    self.log.info("VM %s is %s after %.0f s in the flex-start queue", self.resource_id, status, queued)
+                    last = status
+                if status == "RUNNING":
+                    yield TriggerEvent({"status": "running", "queued_seconds": queued})
+                    return
+                if status not in ("PENDING", "PROVISIONING", "STAGING") and (operation or {}).get("status") != "RUNNING":
+                    yield TriggerEvent(
+                        {"status": "ended", "instance_status": status, "operation": operation, "queued_seconds": queued}
+                    )
+                    return
+            if time.time() >= self.deadline:
+                yield TriggerEvent({"status": "timeout", "queued_seconds": queued})
+                return
+            await asyncio.sleep(max(0.0, min(self.poll_interval, self.deadline - time.time())))
 
 
 class CreateVmStartTrigger(BaseTrigger):

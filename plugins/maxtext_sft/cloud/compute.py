@@ -264,6 +264,43 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
             request = managers.listManagedInstances_next(request, page)
         return found
 
+    # Flex-start and preemption: the discovery client, REST JSON.
+
+    def start_insert_instance(self, body: dict, zone: str, project_id: str, request_id: str | None = None) -> str:
+        """instances.insert without waiting for its operation; returns the operation's name. A
+        flex-start insert's operation stays RUNNING while the request waits in the queue (the
+        instance PENDING, up to its requestValidForDuration), so the caller waits elsewhere."""
+        operation = self.get_compute_instance_client().insert(
+            request={"instance_resource": body, "request_id": request_id, "project": project_id, "zone": zone}
+        )
+        return operation.name
+
+    def get_zone_operation(self, name: str, zone: str, project_id: str) -> dict | None:
+        """The zone operation (REST JSON), or None when it is gone."""
+        return self._unless_missing(self.get_conn().zoneOperations().get(project=project_id, zone=zone, operation=name))
+
+    def instance_status(self, resource_id: str, zone: str, project_id: str) -> str | None:
+        """The instance's status (PENDING, RUNNING, ...), None when there is none of that name."""
+        instance = self._unless_missing(self.get_conn().instances().get(project=project_id, zone=zone, instance=resource_id))
+        return None if instance is None else instance.get("status")
+
+    def preemptions(self, resource_id: str, zone: str, project_id: str) -> list[dict]:
+        """The zone's `compute.instances.preempted` operations of instances named `resource_id`
+        (every VM the run made under that name), oldest first. Compute Engine's "Detect if a Spot
+        VM was preempted" lists them with the filter operationType="compute.instances.preempted"."""
+        operations = self.get_conn().zoneOperations()
+        request = operations.list(
+            project=project_id, zone=zone, filter='operationType="compute.instances.preempted"'
+        )
+        found: list[dict] = []
+        while request is not None:
+            page = request.execute(num_retries=self.num_retries)
+            found.extend(
+                op for op in page.get("items", []) if op.get("targetLink", "").rsplit("/", 1)[-1] == resource_id
+            )
+            request = operations.list_next(request, page)
+        return sorted(found, key=lambda op: op.get("insertTime", ""))
+
     def _unless_missing(self, request) -> dict | None:
         """Execute a discovery-client request; None when the API answers 404."""
         try:

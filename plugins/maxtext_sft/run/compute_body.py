@@ -129,15 +129,17 @@ class ComputeInstanceBody:
                 **enforced,
             }
         if capacity == "flex-start":
-            # "About flex-start VMs": a run duration is required, the VM is deleted at its end,
-            # and it does not restart (cluster-toolkit #2874 and SkyPilot #9608 send the same).
+            # "About flex-start VMs": a run duration is required, the VM is deleted at its end.
+            # No automatic restart (gcloud 528 sends its default, true): a VM that failed is
+            # TERMINATED, and the training sensor replaces it, instead of a restarted VM with no training.
             return {"automatic_restart": False, "on_host_maintenance": "TERMINATE", "provisioning_model": "FLEX_START",
                     **lifetime}
         if capacity == "spot":
             # cloud.google.com/tpu/docs/spot-compute: --provisioning-model=SPOT, a termination
-            # action (DELETE: a preempted VM is replaced, never restarted), --maintenance-policy=TERMINATE.
+            # action (DELETE: a preempted VM is replaced, never restarted), --maintenance-policy=TERMINATE;
+            # preemptible and no restart as gcloud 528 sends them (tests/fixtures/gcloud-capacity-requests.json).
             return {"automatic_restart": False, "instance_termination_action": "DELETE",
-                    "on_host_maintenance": "TERMINATE", "provisioning_model": "SPOT", **enforced}
+                    "on_host_maintenance": "TERMINATE", "preemptible": True, "provisioning_model": "SPOT", **enforced}
         # On demand: a termination action only with a time limit (the API refuses it alone on STANDARD).
         return {"automatic_restart": True, "on_host_maintenance": "TERMINATE", "provisioning_model": "STANDARD",
                 **enforced}

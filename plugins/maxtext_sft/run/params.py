@@ -316,7 +316,7 @@ PARAMS: tuple[Declared, ...] = (
     Declared("flex_start_valid_minutes", "integer", 120,
              "With TPU capacity 'flex-start': how long the request waits in Compute Engine's queue for a machine "
              "(its requestValidForDuration), holding no worker slot; then the run fails and nothing is left.",
-             TIMING, title="Flex-start request valid for (min)", minimum=1, maximum=120),
+             TIMING, title="Flex-start request valid for (min)", minimum=2, maximum=120),
     Declared("max_capacity_wait_minutes", "integer", 720,
              "Minutes the run waits, holding no worker slot, for a free machine in the reservation (which "
              "every run using it shares); then it fails. 0: fail at once when the reservation is full.",

@@ -34,7 +34,7 @@ from maxtext_sft.run.params import (
 
 # What a VM's lifetime adds to the steps' time limits: boot, SSH, uploads, teardown.
 LIFETIME_MARGIN_MINUTES = 30
-# "About flex-start VMs": a flex-start VM runs for at most seven days.
+# A flex-start VM runs for 10 minutes to seven days (Compute Engine's flex-start create page).
 FLEX_START_MAX_RUN_MINUTES = 7 * 24 * 60
 SSH_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 SSH_PUBLIC_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+$")
@@ -95,6 +95,12 @@ class RunSpec(RunPaths, MaxTextCommandLines, ComputeInstanceBody, SliceBodies):
         get its machine. A run on a reservation waits for the reservation instead, and a rehearsal's
         cheap VM leaves a stockout to the task's retries."""
         return not self.rehearsal and self.capacity in ("spot", "on-demand", "flex-start")
+
+    @property
+    def queued_insert(self) -> bool:
+        """Whether the VM's insert waits in Compute Engine's flex-start queue (the instance
+        PENDING, up to flex_start_valid_minutes) before it has a machine."""
+        return not self.rehearsal and self.capacity == "flex-start"
 
     def with_values(self, **changes: Any) -> RunSpec:
         """This spec with some fields or Params changed (a pinned dataset, a bake's own VM)."""
@@ -162,10 +168,10 @@ def build_run_spec(
     known_id, known_license = BASE_MODELS[p["model_name"]]
     p["base_model_id"] = p["base_model_id"] or known_id
     p["max_run_duration_minutes"] = p["max_run_duration_minutes"] or lifetime_minutes(p)
-    if p["capacity"] == "flex-start" and p["max_run_duration_minutes"] > FLEX_START_MAX_RUN_MINUTES:
+    if p["capacity"] == "flex-start" and not 10 <= p["max_run_duration_minutes"] <= FLEX_START_MAX_RUN_MINUTES:
         raise SpecError(
-            f"Param 'max_run_duration_minutes': a flex-start VM runs at most 7 days ({FLEX_START_MAX_RUN_MINUTES} "
-            f"minutes) and this run's VM lifetime is {p['max_run_duration_minutes']} (set it, or lower the step "
+            f"Param 'max_run_duration_minutes': a flex-start VM runs 10 minutes to 7 days ({FLEX_START_MAX_RUN_MINUTES} "
+            f"minutes) and this run's VM lifetime is {p['max_run_duration_minutes']} (set it, or change the step "
             "time limits it is added up from)",
             "max_run_duration_minutes",
         )

@@ -24,7 +24,7 @@ from airflow.providers.google.cloud.operators.compute import (
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
-from maxtext_sft.cloud.errors import Action, classify, waits_for_capacity
+from maxtext_sft.cloud.errors import Action, OperationFailed, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, endpoint_hook_for
 from maxtext_sft.cloud.instances import adoptable_instance, insert_request_id, with_expiry_label
 from maxtext_sft.ui.task_links import VmConsoleLink
@@ -33,9 +33,14 @@ from maxtext_sft.cloud.capacity import (
     CAPACITY_FIRST_READ_SECONDS,
     CAPACITY_POLL_SECONDS,
     CreateVmStartTrigger,
+    QueuedInsertTrigger,
     ReservationCapacityTrigger,
     StockoutWaitTrigger,
 )
+
+# How long past a flex-start request's validity its wait goes on before the task gives up on the
+# cloud ending it (it deletes the instance at the validity's end).
+QUEUE_MARGIN_MINUTES = 10
 
 
 class CreateVmOperator(ComputeEngineInsertInstanceOperator):
@@ -71,6 +76,12 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     is waited out the same way: deferred to StockoutWaitTrigger, the insert asked again every
     `capacity_poll_seconds`, up to `max_capacity_wait_minutes` from the first refusal.
 
+    Flex-start (`queue_minutes`, its request's validity): the insert's operation stays RUNNING while
+    the request waits in Compute Engine's queue, the instance PENDING; the task inserts without
+    waiting and defers to QueuedInsertTrigger until the VM is RUNNING, or fails naming the
+    request's expiry (nothing billed; delete_vm removes what is left). A retry that finds the
+    instance still PENDING waits for the same request.
+
     The trigger first reads the reservation `capacity_first_read_seconds` after the deferral, then
     every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
     a deferred try's exit: Airflow 3.3 fails a resumed try that is already running when that report
@@ -83,6 +94,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         "lifetime_minutes",
         "reservation",
         "waits_out_stockouts",
+        "queue_minutes",
         "max_capacity_wait_minutes",
     )
     # Instead of the provider's instance link, which reads parse-time fields: the VM this try
@@ -95,6 +107,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         lifetime_minutes=None,
         reservation: str | None = None,
         waits_out_stockouts: bool | str = False,
+        queue_minutes: float | str | None = None,
         max_capacity_wait_minutes: float | str = 720,
         capacity_poll_seconds: float = CAPACITY_POLL_SECONDS,
         capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS,
@@ -104,6 +117,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self.lifetime_minutes = lifetime_minutes
         self.reservation = reservation
         self.waits_out_stockouts = waits_out_stockouts
+        self.queue_minutes = queue_minutes
         self.max_capacity_wait_minutes = max_capacity_wait_minutes
         self.capacity_poll_seconds = capacity_poll_seconds
         self.capacity_first_read_seconds = capacity_first_read_seconds
@@ -176,6 +190,8 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         self.check_body_fields()
         hook = endpoint_hook_for(self)
         where = {"resource_id": self.resource_id, "project_id": self.project_id, "zone": self.zone}
+        if self.queue_minutes and hook.instance_status(**where) == "PENDING":
+            self._wait_in_queue(operation=None)  # an earlier try's request is still queued
         existing = adoptable_instance(hook, where, self.log)
         if existing is not None:
             return Instance.to_dict(existing)
@@ -230,6 +246,59 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         )
         self.defer(
             trigger=ReservationCapacityTrigger.for_operator(self, deadline), method_name="resume_after_capacity_wait"
+        )
+
+    def _create_instance(self, hook: ComputeEngineEndpointHook, context) -> dict:
+        """The provider's create, but for a flex-start request: inserted without waiting for its
+        operation, which lasts as long as the request is queued."""
+        if not self.queue_minutes:
+            return super()._create_instance(hook, context)
+        # (The provider's sanitizer drops output-only fields, of which the planned body has none.)
+        operation = hook.start_insert_instance(
+            body=self.body, zone=self.zone, project_id=self.project_id, request_id=self.request_id
+        )
+        self._wait_in_queue(operation)
+
+    def _wait_in_queue(self, operation: str | None) -> NoReturn:
+        minutes = float(self.queue_minutes)
+        self.log.info(
+            "Flex-start request for %s queued: waiting (deferred, no worker slot, nothing billed) for a machine, "
+            "at most %g minutes", self.resource_id, minutes,
+        )
+        trigger = QueuedInsertTrigger(
+            project_id=self.project_id,
+            zone=self.zone,
+            resource_id=self.resource_id,
+            deadline=time.time() + (minutes + QUEUE_MARGIN_MINUTES) * 60,
+            operation=operation,
+            gcp_conn_id=self.gcp_conn_id,
+            poll_interval=self.capacity_poll_seconds,
+            impersonation_chain=self.impersonation_chain,
+        )
+        self.defer(trigger=trigger, method_name="resume_after_queue")
+
+    def resume_after_queue(self, context, event: dict) -> dict:
+        """Back from QueuedInsertTrigger: the RUNNING VM is the task's result; a request that
+        ended without a machine fails the run, naming why."""
+        waited = f"{event['queued_seconds'] / 60:.1f} minutes"
+        where = f"VM {self.resource_id} (flex_start_valid_minutes={self.queue_minutes})"
+        if event["status"] == "running":
+            self.log.info("The flex-start request got its machine after %s: %s is RUNNING", waited, self.resource_id)
+            hook = endpoint_hook_for(self)
+            return Instance.to_dict(
+                hook.get_instance(resource_id=self.resource_id, project_id=self.project_id, zone=self.zone)
+            )
+        if event["status"] == "timeout":
+            raise AirflowFailException(
+                f"The flex-start request for {where} was still queued after {waited}, past its validity; "
+                "nothing was billed, and delete_vm removes it"
+            )
+        operation = event.get("operation") or {}
+        verdict = classify(OperationFailed(operation)) if operation.get("error") else None
+        cause = str(verdict) if verdict else f"the instance is {event.get('instance_status') or 'gone'}"
+        raise AirflowFailException(
+            f"The flex-start request for {where} expired after {waited} without a machine: {cause}; "
+            "nothing was billed, and delete_vm removes what is left"
         )
 
     def _wait_out_stockout(self, deadline: float | None, refusal: str) -> NoReturn:

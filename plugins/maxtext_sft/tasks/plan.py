@@ -72,6 +72,7 @@ def plan_run(
         # create_vm's capacity gate, or its wait through a stockout
         "reservation": spec.consumed_reservation,
         "waits_out_stockouts": spec.waits_out_stockouts,
+        "queue_minutes": spec.flex_start_valid_minutes if spec.queued_insert else None,
         "max_capacity_wait_minutes": spec.max_capacity_wait_minutes,
     }
 

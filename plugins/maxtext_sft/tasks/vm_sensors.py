@@ -651,6 +651,13 @@ class TrainingCheckpointSensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             self._recover(context, spec, f"VM {spec.vm_name} is stopped (TERMINATED: its guest shut down, or the "
                           "cloud stopped it)", replace=True)
             return False
+        if status == "PENDING":
+            # A recreated flex-start VM whose request waits in the queue: its boot has not begun,
+            # so its clock starts when it leaves the queue (the cloud ends the request at its validity).
+            self._stop_clock(context, "new_vm_since")
+            self._clock_start(context, "new_vm_since")
+            self.log.info("VM %s is PENDING: its flex-start request waits for a machine", spec.vm_name)
+            return False
         store, key = self._state(context, "new_vm_since")
         if (booting_since := store.get(key)) is not None:
             waited, bound, name = time.time() - booting_since, SSH_WAIT_SECONDS, "the recreated VM's boot"

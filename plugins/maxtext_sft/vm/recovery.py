@@ -17,7 +17,9 @@ step up to it is trained again.
 The bound: once its insert was accepted, each recovery writes `vm-recoveries/N.json` into the
 run's output folder (create-only, so two pokes cannot both take number N; the VM's label says N,
 so a try cut short between the two is recorded by the next), and there are at most
-max_vm_recoveries of them. The ledger lives in storage because a sensor's XCom is cleared at
+max_vm_recoveries of them. A Spot VM's preemption (a `compute.instances.preempted` operation the
+ledger has not yet counted) is a recovery too, marked `preempted`, but bounded by max_preemptions
+instead: the cloud took the machine back, nothing failed. The ledger lives in storage because a sensor's XCom is cleared at
 every reschedule, and storage is where the checkpoints are anyway: without an output location
 there is nothing to resume from, and the run fails saying so.
 """
@@ -51,11 +53,31 @@ class VmRecovery:
         self.remake = VmRemake(spec, gcp_conn_id=gcp_conn_id, ssh_conn_id=ssh_conn_id, log=log)
 
     def count(self) -> int:
-        """Recoveries this run has made so far (its ledger's entries)."""
+        """Recoveries this run has made so far (its ledger's entries), preemptions included."""
         if not self.spec.durable:
             return 0
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
         return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if ledger_entry_number(name) is not None)
+
+    def preemptions_counted(self) -> int:
+        """The ledger's entries that were preemptions."""
+        storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
+        names = [name for name in storage.names_under(self.spec.vm_recoveries_uri) if ledger_entry_number(name) is not None]
+        return sum(
+            1 for name in names
+            if json.loads(storage.read_text(f"{self.spec.vm_recoveries_uri}/{name}")).get("preempted")
+        )
+
+    def preemption(self) -> dict | None:
+        """The newest `compute.instances.preempted` operation of the run's VM name that the ledger
+        has not counted yet (each preemption is counted once, oldest first), or None: the loss was
+        no preemption. Only a Spot VM is preempted."""
+        if self.spec.capacity != "spot" or self.spec.rehearsal:
+            return None
+        hook = ComputeEngineEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
+        found = hook.preemptions(resource_id=self.spec.vm_name, zone=self.spec.zone, project_id=self.spec.project_id)
+        counted = self.preemptions_counted()
+        return found[-1] if len(found) > counted else None
 
     def recover(
         self, reason: str, *, replace: bool = False, lost_after_step: int | None = None, waited_since: float | None = None
@@ -74,10 +96,19 @@ class VmRecovery:
                 "cannot resume; set output_location to make a lost VM recoverable"
             )
         made = self.count()
-        if made >= spec.max_vm_recoveries:
+        preempted = self.preemption()
+        taken = self.preemptions_counted() if spec.capacity == "spot" else 0
+        if preempted is not None:
+            reason = f"{reason}; the cloud preempted the Spot VM at {preempted.get('insertTime', '?')}"
+            if taken >= spec.max_preemptions:
+                raise AirflowFailException(
+                    f"{reason}, and this run has already been preempted {taken} time(s) "
+                    f"(max_preemptions={spec.max_preemptions}): not resuming again"
+                )
+        elif made - taken >= spec.max_vm_recoveries:
             raise AirflowFailException(
-                f"{reason}, and this run has already recreated its VM {made} time(s) "
-                f"(max_vm_recoveries={spec.max_vm_recoveries}): not recovering again"
+                f"{reason}, and this run has already recreated its VM {made - taken} time(s) "
+                f"(max_vm_recoveries={spec.max_vm_recoveries}; preemptions not counted): not recovering again"
             )
         if replace:
             self.remake.delete()
@@ -87,11 +118,20 @@ class VmRecovery:
         machine_found = time.time()
         if not self.remake.insert(reason, {RECOVERY_LABEL: str(number)}):
             return False
-        self._record(number, reason, lost_after_step, (waited_since, machine_found) if waited_since else None)
+        self._record(
+            number, reason, lost_after_step, (waited_since, machine_found) if waited_since else None,
+            preempted=preempted is not None,
+        )
         return True
 
     def _record(
-        self, number: int, reason: str, lost_after_step: int | None = None, waited: tuple[float, float] | None = None
+        self,
+        number: int,
+        reason: str,
+        lost_after_step: int | None = None,
+        waited: tuple[float, float] | None = None,
+        *,
+        preempted: bool = False,
     ) -> None:
         """Count recovery `number` in the ledger, once its insert was accepted."""
         spec = self.spec
@@ -105,13 +145,13 @@ class VmRecovery:
             # From the first poke that found no machine to the one that found one (bench/recovery_slots.py).
             "capacity_wait": [round(t, 3) for t in waited] if waited else None,
             "at": round(time.time(), 3),  # the insert was accepted
+            "preempted": preempted,  # a Spot preemption: bounded by max_preemptions, not max_vm_recoveries
         }
         if not storage.create_once(f"{spec.vm_recoveries_uri}/{ledger_entry_name(number)}", json.dumps(entry)):
             raise AirflowException(f"recovery {number} of {spec.run_name} was taken by another try: checking again")
         self.log.warning(
-            "%s. Recovery %d of at most %d: recreated it; training resumes after step %s "
-            "(the latest committed checkpoint)",
-            reason, number, spec.max_vm_recoveries, entry["resumes_after_step"],
+            "%s. %s %d: recreated it; training resumes after step %s (the latest committed checkpoint)",
+            reason, "Preemption" if preempted else "Recovery", number, entry["resumes_after_step"],
         )
         self.log.info("Recovery %d: the next pokes wait for the new VM's SSH (rescheduled), then resume on it", number)
 

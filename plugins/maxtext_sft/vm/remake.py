@@ -85,15 +85,12 @@ class VmRemake:
             return True
         body = with_expiry_label(spec.instance_body(), spec.max_run_duration_minutes)
         body["labels"] = {**body["labels"], **(labels or {})}
+        # One per insert: the API answers a repeated request id with its first operation, and an
+        # insert refused for capacity is asked again. A flex-start request's operation lasts as
+        # long as it is queued: it is not waited for (the pokes see the VM PENDING, then booting).
+        insert = hook.start_insert_instance if spec.queued_insert else hook.insert_instance
         try:
-            hook.insert_instance(
-                body=body,
-                zone=spec.zone,
-                project_id=spec.project_id,
-                # One per insert: the API answers a repeated request id with its first operation,
-                # and an insert refused for capacity is asked again.
-                request_id=str(uuid.uuid4()),
-            )
+            insert(body=body, zone=spec.zone, project_id=spec.project_id, request_id=str(uuid.uuid4()))
         except Exception as error:
             verdict = classify(error)
             if waits_for_capacity(verdict, waits_out_stockouts=spec.waits_out_stockouts):
