@@ -73,18 +73,21 @@ def vm_usage(
     create_state: str | None,
     deleted: dict | None,
     instance_created_at: str | None = None,
+    instance_started_at: str | None = None,
     delete_state: str | None,
     hourly_price_usd: float | None,
     now: datetime,
 ) -> dict[str, Any]:
-    """The VM's lifetime, VM-hours and estimated cost.
+    """The VM's billed lifetime, VM-hours and estimated cost.
 
-    The lifetime runs from the instance's creationTimestamp (create_vm's XCom; without it,
-    create_vm's first start) to delete_vm's end: it bounds the VM's real life from above (the
-    deletion is confirmed before the task ends), so the cost is at most this. The timestamp
-    matters because create_vm may have waited hours for a free machine before its insert. Without delete_vm's end it is counted up to `now`, still
-    an upper bound; unless delete_vm succeeded the VM may still be running. If create_vm never
-    started, no VM existed: no lifetime, cost 0.
+    The lifetime runs from the instance's lastStartTimestamp (create_vm's XCom: when it became
+    RUNNING, where billing starts), else its creationTimestamp, else create_vm's first start, to
+    delete_vm's end: it bounds the VM's billed life from above (the deletion is confirmed before
+    the task ends), so the cost is at most this. The timestamps matter because create_vm may have
+    waited hours for a free machine before its insert, and a flex-start VM waits PENDING, unbilled,
+    between its creation and its start (`waited_for_capacity_seconds`). Without delete_vm's end it
+    is counted up to `now`, still an upper bound; unless delete_vm succeeded the VM may still be
+    running. If create_vm never started, no VM existed: no lifetime, cost 0.
     """
     usage: dict[str, Any] = {
         "existed": False,
@@ -92,6 +95,7 @@ def vm_usage(
         "ended": None,
         "deleted": False,
         "lifetime_seconds": None,
+        "waited_for_capacity_seconds": None,
         "vm_hours": 0.0,
         "hourly_price_usd": hourly_price_usd,
         "estimated_cost_usd": 0.0,
@@ -103,7 +107,9 @@ def vm_usage(
     if created is None:  # it ran, but left no record (killed before its callback): unknown
         usage.update(vm_hours=None, estimated_cost_usd=None)
         return usage
-    usage["started"] = instance_created_at or created["started"]
+    waited = _seconds(instance_created_at, instance_started_at)
+    usage["waited_for_capacity_seconds"] = waited if waited and waited > 0 else None
+    usage["started"] = instance_started_at or instance_created_at or created["started"]
     usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
     seconds = _seconds(usage["started"], usage["ended"])
     usage["lifetime_seconds"] = seconds
@@ -154,6 +160,7 @@ def build_summary(
     tasks: SummaryTasks,
     recoveries: Sequence[Mapping[str, Any]] = (),
     instance_created_at: str | None = None,
+    instance_started_at: str | None = None,
     rehearsal_checks: Sequence[Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
@@ -171,6 +178,7 @@ def build_summary(
         create_state=states.get(tasks.create_vm),
         deleted=records.get(tasks.delete_vm),
         instance_created_at=instance_created_at,
+        instance_started_at=instance_started_at,
         delete_state=states.get(tasks.delete_vm),
         hourly_price_usd=hourly_price_usd,
         now=now,
@@ -224,6 +232,14 @@ def format_duration(seconds: float | None) -> str:
     return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
 
 
+def capacity_wait_text(seconds: Any) -> str | None:
+    """The VM's unbilled wait for capacity in words, when it waited more than a second (the
+    summary's text, the Fine-tunes page); None otherwise."""
+    if not isinstance(seconds, (int, float)) or seconds <= 1:
+        return None
+    return f"waited {format_duration(seconds)} for capacity (not billed)"
+
+
 def _clock(text: str) -> str:
     """An ISO time as the log shows it: UTC, to the second."""
     return f"{datetime.fromisoformat(text).astimezone(timezone.utc):%Y-%m-%d %H:%M:%S}"
@@ -260,9 +276,10 @@ def render_text(summary: Mapping[str, Any]) -> str:
         cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
             f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
         )
+        wait = capacity_wait_text(vm.get("waited_for_capacity_seconds"))
         lines.append(
             f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
-            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}"
+            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}" + (f"; {wait}" if wait else "")
         )
     for row in summary.get("recoveries") or ():
         lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"

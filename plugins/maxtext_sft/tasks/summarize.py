@@ -67,9 +67,10 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id:
         now=datetime.now(timezone.utc),
         tasks=tasks,
         recoveries=recovery_rows(recovery_ledger(spec, gcp_conn_id)),
-        # When the VM came to be (after any wait for capacity): the instance create_vm returned.
-        # (A slice's create returns its hosts instead: the group's first start stands in.)
-        instance_created_at=_created_at(ti.xcom_pull(task_ids=tasks.create_vm)),
+        # When the VM came to be (after any wait for capacity) and when it started RUNNING (billing
+        # starts): the instance create_vm returned. (A slice's create returns its hosts instead:
+        # the group's first start stands in.)
+        **_instance_times(ti.xcom_pull(task_ids=tasks.create_vm)),
         rehearsal_checks=_rehearsal_checks(ti, states, spec, gcp_conn_id) if spec and RunSpec.from_dict(spec).rehearsal else None,
     )
 
@@ -81,8 +82,14 @@ def _hourly_price(spec: dict | None) -> float | None:
     return spec["vm_hourly_price_usd"] * RunSpec.from_dict(spec).hosts
 
 
-def _created_at(created) -> str | None:
-    return created.get("creation_timestamp") if isinstance(created, dict) else None
+def _instance_times(created) -> dict[str, str | None]:
+    """build_summary's instance_created_at and instance_started_at from create_vm's XCom
+    (`Instance.to_dict`, taken once the instance is RUNNING)."""
+    instance = created if isinstance(created, dict) else {}
+    return {
+        "instance_created_at": instance.get("creation_timestamp"),
+        "instance_started_at": instance.get("last_start_timestamp"),
+    }
 
 
 def _rehearsal_checks(ti, states: dict, spec: dict, gcp_conn_id: str) -> list[dict[str, str]]:
