@@ -243,3 +243,54 @@ def test_a_wait_of_a_second_or_less_is_not_worth_a_word():
     result = summary({t: "success" for t in PHASES}, happy_records())
     result["vm"] = usage
     assert "for capacity" not in render_text(result)
+
+
+def priced(capacity: str | None, price: float | None, reservation: float | None, on_demand: float | None) -> dict:
+    """The summary of the happy run (1.5 billed hours) on `capacity` at `price` an hour."""
+    return build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=price,
+        now=NOW, tasks=TASKS, capacity=capacity, compared_prices_usd={"reservation": reservation, "on-demand": on_demand},
+    )
+
+
+def test_a_spot_run_is_priced_at_spot_and_compared_with_a_reservation_and_on_demand():
+    result = priced("spot", 6.0, 20.0, None)
+    vm = result["vm"]
+    assert (vm["capacity"], vm["hourly_price_usd"], vm["estimated_cost_usd"]) == ("spot", 6.0, 9.0)
+    assert (vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (30.0, None)
+    assert "1.500 VM-hours, estimated cost $9.00 at $6.00/hour (spot); the same hours: $30.00 on a reservation, " \
+           "price on demand not given" in render_text(result)
+
+
+def test_a_run_on_its_reservation_is_compared_with_on_demand_only():
+    vm = priced("reservation", 20.0, 20.0, 30.0)["vm"]
+    assert (vm["estimated_cost_usd"], vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (30.0, 30.0, 45.0)
+    assert "estimated cost $30.00 at $20.00/hour (reservation); the same hours: $45.00 on demand\n" \
+        in render_text(priced("reservation", 20.0, 20.0, 30.0))
+    on_demand = render_text(priced("on-demand", 30.0, 20.0, 30.0))
+    assert "estimated cost $45.00 at $30.00/hour (on-demand); the same hours: $30.00 on a reservation\n" in on_demand
+
+
+def test_a_capacity_without_a_price_has_no_cost_but_still_the_comparison():
+    result = priced("flex-start", None, 20.0, None)
+    assert result["vm"]["estimated_cost_usd"] is None and result["vm"]["cost_on_reservation_usd"] == 30.0
+    assert "estimated cost not estimated (no flex-start price given); the same hours: $30.00 on a reservation, " \
+           "price on demand not given" in render_text(result)
+
+
+def test_without_a_capacity_a_rehearsal_keeps_one_price_and_no_comparison():
+    result = summary({t: "success" for t in PHASES}, happy_records(), price=0.27)
+    vm = result["vm"]
+    assert vm["capacity"] is None and vm["cost_on_reservation_usd"] is None and vm["cost_on_demand_usd"] is None
+    assert "estimated cost $0.41 at $0.27/hour\n" in render_text(result)
+
+
+def test_a_run_that_never_had_a_vm_costs_nothing_on_any_capacity():
+    states = {t: "upstream_failed" for t in PHASES} | {"plan_run": "success", "preflight": "failed"}
+    vm = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states=states, records={"plan_run": phase(0, 0.5)},
+        spec=SPEC, training=None, record=None, published=None, hourly_price_usd=6.0, now=NOW, tasks=TASKS,
+        capacity="spot", compared_prices_usd={"reservation": 20.0, "on-demand": None},
+    )["vm"]
+    assert (vm["estimated_cost_usd"], vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (0.0, 0.0, None)

@@ -77,8 +77,15 @@ def vm_usage(
     delete_state: str | None,
     hourly_price_usd: float | None,
     now: datetime,
+    capacity: str | None = None,
+    compared_prices_usd: Mapping[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """The VM's billed lifetime, VM-hours and estimated cost.
+
+    `hourly_price_usd` prices an hour on the run's `capacity` (None: unknown, no cost); with a
+    capacity, `compared_prices_usd` ({"reservation": ..., "on-demand": ...}, None or absent when
+    not given) prices the same hours on the others. A rehearsal gives no capacity: its CPU VM is on
+    demand at its own price, compared with nothing.
 
     The lifetime runs from the instance's lastStartTimestamp (create_vm's XCom: when it became
     RUNNING, where billing starts), else its creationTimestamp, else create_vm's first start, to
@@ -97,11 +104,15 @@ def vm_usage(
         "lifetime_seconds": None,
         "waited_for_capacity_seconds": None,
         "vm_hours": 0.0,
+        "capacity": capacity,
         "hourly_price_usd": hourly_price_usd,
         "estimated_cost_usd": 0.0,
+        "cost_on_reservation_usd": None,
+        "cost_on_demand_usd": None,
     }
+    compared = compared_prices_usd or {}
     if created is None and create_state not in STARTED_STATES:
-        return usage  # the run ended before create_vm: no VM, nothing to pay
+        return usage | _compared_costs(0.0, compared)  # the run ended before create_vm: no VM, nothing to pay
     usage["existed"] = True
     usage["deleted"] = delete_state == "success"
     if created is None:  # it ran, but left no record (killed before its callback): unknown
@@ -114,10 +125,20 @@ def vm_usage(
     seconds = _seconds(usage["started"], usage["ended"])
     usage["lifetime_seconds"] = seconds
     usage["vm_hours"] = round(seconds / 3600, 4)
-    usage["estimated_cost_usd"] = (
-        round(seconds / 3600 * hourly_price_usd, 2) if hourly_price_usd is not None else None
-    )
-    return usage
+    usage["estimated_cost_usd"] = _cost(seconds / 3600, hourly_price_usd)
+    return usage | _compared_costs(seconds / 3600, compared)
+
+
+def _cost(hours: float, price: float | None) -> float | None:
+    return round(hours * price, 2) if price is not None else None
+
+
+def _compared_costs(hours: float, compared: Mapping[str, float | None]) -> dict[str, float | None]:
+    """What the same hours would have cost on a reservation and on demand (None: price not given)."""
+    return {
+        "cost_on_reservation_usd": _cost(hours, compared.get("reservation")),
+        "cost_on_demand_usd": _cost(hours, compared.get("on-demand")),
+    }
 
 
 def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -158,6 +179,8 @@ def build_summary(
     hourly_price_usd: float | None,
     now: datetime,
     tasks: SummaryTasks,
+    capacity: str | None = None,
+    compared_prices_usd: Mapping[str, float | None] | None = None,
     recoveries: Sequence[Mapping[str, Any]] = (),
     instance_created_at: str | None = None,
     instance_started_at: str | None = None,
@@ -182,6 +205,8 @@ def build_summary(
         delete_state=states.get(tasks.delete_vm),
         hourly_price_usd=hourly_price_usd,
         now=now,
+        capacity=capacity,
+        compared_prices_usd=compared_prices_usd,
     )
     if vm["existed"] and not vm["deleted"]:
         warnings.append(f"{tasks.delete_vm} did not confirm the deletion: the VM may still exist (counted up to now)")
@@ -276,6 +301,8 @@ def render_text(summary: Mapping[str, Any]) -> str:
         cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
             f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
         )
+        if vm.get("capacity"):
+            cost = _capacity_costs(vm, cost)
         wait = capacity_wait_text(vm.get("waited_for_capacity_seconds"))
         lines.append(
             f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
@@ -313,6 +340,24 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines += render_checks(summary["rehearsal_checks"])
     lines += [f"Warning: {warning}" for warning in summary["warnings"]]
     return "\n".join(lines)
+
+
+def _capacity_costs(vm: Mapping[str, Any], cost: str) -> str:
+    """The cost's words with the capacity named, and the same hours on a reservation and on demand."""
+    capacity = vm["capacity"]
+    if vm["estimated_cost_usd"] is None:
+        cost = f"not estimated (no {capacity} price given)"
+    else:
+        cost += f" ({capacity})"
+    others = [
+        f"price {words} not given" if vm.get(key) is None else f"${vm[key]:.2f} {words}"
+        for other, key, words in (
+            ("reservation", "cost_on_reservation_usd", "on a reservation"),
+            ("on-demand", "cost_on_demand_usd", "on demand"),
+        )
+        if other != capacity
+    ]
+    return f"{cost}; the same hours: {', '.join(others)}"
 
 
 def render_checks(rows: Sequence[Mapping[str, str]]) -> list[str]:
