@@ -186,8 +186,9 @@ def test_each_recovery_is_listed_with_when_why_steps_lost_and_vm_minutes():
     }
     rows = recovery_rows(ledger)
     assert [row["recovery"] for row in rows] == [1, 2]
-    assert rows[0] == {"recovery": 1, "at": at_iso(0), "reason": "VM x no longer exists", "resumes_after_step": 300,
-                       "steps_lost": 42, "vm_minutes_to_resume": 12.5, "step_seconds": {"install": 400.0}}
+    assert rows[0] == {"recovery": 1, "at": at_iso(0), "reason": "VM x no longer exists", "preempted": False,
+                       "resumes_after_step": 300, "steps_lost": 42, "vm_minutes_to_resume": 12.5,
+                       "step_seconds": {"install": 400.0}}
     assert rows[1]["steps_lost"] is None and rows[1]["vm_minutes_to_resume"] is None
 
     result = build_summary(
@@ -294,3 +295,30 @@ def test_a_run_that_never_had_a_vm_costs_nothing_on_any_capacity():
         capacity="spot", compared_prices_usd={"reservation": 20.0, "on-demand": None},
     )["vm"]
     assert (vm["estimated_cost_usd"], vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (0.0, 0.0, None)
+
+
+def test_a_preemption_is_told_as_such_and_counted():
+    at = int(T0.timestamp())
+    ledger = {
+        "1.json": {"recovery": 1, "reason": "VM x was preempted", "preempted": True, "resumes_after_step": 200,
+                   "lost_after_step": 230, "at": at},
+        "1-resumed.json": {"recovery": 1, "resumed_at": at + 600},
+        "2.json": {"recovery": 2, "reason": "VM x has answered no SSH for 600 s", "resumes_after_step": 400,
+                   "lost_after_step": 400, "at": at + 3600},
+        "3.json": {"recovery": 3, "reason": "VM x was preempted", "preempted": True, "resumes_after_step": 500,
+                   "lost_after_step": 510, "at": at + 7200},
+    }
+    rows = recovery_rows(ledger)
+    assert [row["preempted"] for row in rows] == [True, False, True]
+    result = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=20.0,
+        now=NOW, tasks=TASKS, recoveries=rows,
+    )
+    assert result["preemptions"] == 2
+    text = render_text(result)
+    assert "Preemption 1 at 2026-11-30 10:00:00: resumed after step 200, 30 steps lost, 10.0 VM-minutes to resume; " \
+           "VM x was preempted" in text
+    assert "Recovery 2 at 2026-11-30 11:00:00: resumed after step 400, 0 steps lost;" in text
+    assert "Preemption 3 at 2026-11-30 12:00:00: resumed after step 500, 10 steps lost;" in text
+    assert summary({t: "success" for t in PHASES}, happy_records())["preemptions"] == 0

@@ -143,8 +143,9 @@ def _compared_costs(hours: float, compared: Mapping[str, float | None]) -> dict[
 
 def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per recovery of the run's ledger (vm_recovery: N.json, and N-resumed.json once its
-    training resumed): when and why, the steps lost (trained on the lost VM after the checkpoint
-    the new one resumed from), and the VM-minutes from the new VM's insert to the resumed training."""
+    training resumed): when and why (`preempted`: the VM was lost to a Spot preemption), the steps
+    lost (trained on the lost VM after the checkpoint the new one resumed from), and the VM-minutes
+    from the new VM's insert to the resumed training."""
     rows = []
     for name, entry in sorted(ledger.items()):
         if ledger_entry_number(name) is None:
@@ -157,6 +158,7 @@ def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
             "recovery": number,
             "at": datetime.fromtimestamp(at, timezone.utc).isoformat() if at else None,
             "reason": entry.get("reason"),
+            "preempted": bool(entry.get("preempted")),
             "resumes_after_step": entry.get("resumes_after_step"),
             "steps_lost": max(0, lost - kept) if lost is not None else None,
             "vm_minutes_to_resume": round((resumed_at - at) / 60, 2) if at and resumed_at else None,
@@ -237,6 +239,7 @@ def build_summary(
         "outputs": outputs,
         "published": dict(published) if published else None,
         "recoveries": [dict(row) for row in recoveries],
+        "preemptions": sum(1 for row in recoveries if row.get("preempted")),
         **({"rehearsal_checks": [dict(row) for row in rehearsal_checks]} if rehearsal_checks is not None else {}),
         "tasks": asdict(tasks),
         "warnings": warnings,
@@ -312,7 +315,7 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"
         minutes = "" if row["vm_minutes_to_resume"] is None else f", {row['vm_minutes_to_resume']:.1f} VM-minutes to resume"
         lines.append(
-            f"Recovery {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
+            f"{'Preemption' if row.get('preempted') else 'Recovery'} {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
             f"{row['resumes_after_step']}, {lost}{minutes}; {row['reason']}"
         )
     if summary["final_step"] is None:
