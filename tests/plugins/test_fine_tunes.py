@@ -72,6 +72,17 @@ def test_nothing_at_all_and_odd_values_show_dashes():
     assert row(published=None, publish_state="success").published == Link("not published: no hub_repo_id", None)
 
 
+def test_the_vm_cell_shows_a_wait_for_capacity_apart_from_the_billed_hours_and_the_preemptions():
+    vm = {"vm_hours": 1.0, "estimated_cost_usd": 6.0, "waited_for_capacity_seconds": 1800.0}
+    assert row(summary={"vm": vm, "preemptions": 0}).vm == "1.000 h, $6.00; waited 30m 00s for capacity (not billed)"
+    assert row(summary={"vm": vm, "preemptions": 1}).vm == (
+        "1.000 h, $6.00; waited 30m 00s for capacity (not billed); 1 preemption"
+    )
+    no_wait = {"vm_hours": 1.0, "estimated_cost_usd": None, "waited_for_capacity_seconds": None}
+    assert row(summary={"vm": no_wait, "preemptions": 3}).vm == "1.000 h; 3 preemptions"
+    assert row(summary={"vm": no_wait | {"waited_for_capacity_seconds": 0.4}}).vm == "1.000 h"
+
+
 def test_outputs_on_a_worker_are_shown_as_paths_without_links():
     record = {"run_record": "worker-1:/data/out/run-record.json", "hf_export": "worker-1:/data/out/hf-export"}
     shown = row(record=record)

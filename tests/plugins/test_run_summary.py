@@ -186,8 +186,9 @@ def test_each_recovery_is_listed_with_when_why_steps_lost_and_vm_minutes():
     }
     rows = recovery_rows(ledger)
     assert [row["recovery"] for row in rows] == [1, 2]
-    assert rows[0] == {"recovery": 1, "at": at_iso(0), "reason": "VM x no longer exists", "resumes_after_step": 300,
-                       "steps_lost": 42, "vm_minutes_to_resume": 12.5, "step_seconds": {"install": 400.0}}
+    assert rows[0] == {"recovery": 1, "at": at_iso(0), "reason": "VM x no longer exists", "preempted": False,
+                       "resumes_after_step": 300, "steps_lost": 42, "vm_minutes_to_resume": 12.5,
+                       "step_seconds": {"install": 400.0}}
     assert rows[1]["steps_lost"] is None and rows[1]["vm_minutes_to_resume"] is None
 
     result = build_summary(
@@ -204,3 +205,120 @@ def test_each_recovery_is_listed_with_when_why_steps_lost_and_vm_minutes():
 
 def at_iso(minutes: float) -> str:
     return datetime.fromtimestamp((T0 + timedelta(minutes=minutes)).timestamp(), timezone.utc).isoformat()
+
+
+def test_a_vm_that_waited_pending_for_capacity_is_billed_from_its_start():
+    # A flex-start VM: created at minute 1 (PENDING), RUNNING at minute 31, deleted by minute 91.
+    usage = vm_usage(created=phase(0, 32), create_state="success", deleted=phase(85, 91), delete_state="success",
+                     hourly_price_usd=20.0, now=NOW, instance_created_at=at(1), instance_started_at=at(31))
+    assert usage["started"] == at(31) and usage["lifetime_seconds"] == 60 * 60
+    assert usage["waited_for_capacity_seconds"] == 30 * 60
+    assert (usage["vm_hours"], usage["estimated_cost_usd"]) == (1.0, 20.0)
+    result = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=20.0,
+        now=NOW, tasks=TASKS, instance_created_at=at(1), instance_started_at=at(31),
+    )
+    assert result["vm"]["waited_for_capacity_seconds"] == 30 * 60
+    assert "1.000 VM-hours, estimated cost $20.00 at $20.00/hour; waited 30m 00s for capacity (not billed)" \
+        in render_text(result)
+
+
+@pytest.mark.parametrize(("created", "started", "waited"), [
+    (None, None, None), (at(1), None, None), (None, at(1), None),  # one time alone: no wait known
+    (at(1), at(1), None), (at(2), at(1), None),  # no wait, or clocks out of order
+])
+def test_no_wait_for_capacity_unless_the_start_is_after_the_creation(created, started, waited):
+    usage = vm_usage(created=phase(0, 5), create_state="success", deleted=phase(60, 61), delete_state="success",
+                     hourly_price_usd=20.0, now=NOW, instance_created_at=created, instance_started_at=started)
+    assert usage["waited_for_capacity_seconds"] is waited
+    assert usage["started"] == (started or created or at(0))
+    result = summary({t: "success" for t in PHASES}, happy_records())
+    assert result["vm"]["waited_for_capacity_seconds"] is None and "for capacity" not in render_text(result)
+
+
+def test_a_wait_of_a_second_or_less_is_not_worth_a_word():
+    usage = vm_usage(created=phase(0, 5), create_state="success", deleted=phase(60, 61), delete_state="success",
+                     hourly_price_usd=20.0, now=NOW, instance_created_at=at(1), instance_started_at=at(1 + 0.5 / 60))
+    assert usage["waited_for_capacity_seconds"] == 0.5
+    result = summary({t: "success" for t in PHASES}, happy_records())
+    result["vm"] = usage
+    assert "for capacity" not in render_text(result)
+
+
+def priced(capacity: str | None, price: float | None, reservation: float | None, on_demand: float | None) -> dict:
+    """The summary of the happy run (1.5 billed hours) on `capacity` at `price` an hour."""
+    return build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=price,
+        now=NOW, tasks=TASKS, capacity=capacity, compared_prices_usd={"reservation": reservation, "on-demand": on_demand},
+    )
+
+
+def test_a_spot_run_is_priced_at_spot_and_compared_with_a_reservation_and_on_demand():
+    result = priced("spot", 6.0, 20.0, None)
+    vm = result["vm"]
+    assert (vm["capacity"], vm["hourly_price_usd"], vm["estimated_cost_usd"]) == ("spot", 6.0, 9.0)
+    assert (vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (30.0, None)
+    assert "1.500 VM-hours, estimated cost $9.00 at $6.00/hour (spot); the same hours: $30.00 on a reservation, " \
+           "price on demand not given" in render_text(result)
+
+
+def test_a_run_on_its_reservation_is_compared_with_on_demand_only():
+    vm = priced("reservation", 20.0, 20.0, 30.0)["vm"]
+    assert (vm["estimated_cost_usd"], vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (30.0, 30.0, 45.0)
+    assert "estimated cost $30.00 at $20.00/hour (reservation); the same hours: $45.00 on demand\n" \
+        in render_text(priced("reservation", 20.0, 20.0, 30.0))
+    on_demand = render_text(priced("on-demand", 30.0, 20.0, 30.0))
+    assert "estimated cost $45.00 at $30.00/hour (on-demand); the same hours: $30.00 on a reservation\n" in on_demand
+
+
+def test_a_capacity_without_a_price_has_no_cost_but_still_the_comparison():
+    result = priced("flex-start", None, 20.0, None)
+    assert result["vm"]["estimated_cost_usd"] is None and result["vm"]["cost_on_reservation_usd"] == 30.0
+    assert "estimated cost not estimated (no flex-start price given); the same hours: $30.00 on a reservation, " \
+           "price on demand not given" in render_text(result)
+
+
+def test_without_a_capacity_a_rehearsal_keeps_one_price_and_no_comparison():
+    result = summary({t: "success" for t in PHASES}, happy_records(), price=0.27)
+    vm = result["vm"]
+    assert vm["capacity"] is None and vm["cost_on_reservation_usd"] is None and vm["cost_on_demand_usd"] is None
+    assert "estimated cost $0.41 at $0.27/hour\n" in render_text(result)
+
+
+def test_a_run_that_never_had_a_vm_costs_nothing_on_any_capacity():
+    states = {t: "upstream_failed" for t in PHASES} | {"plan_run": "success", "preflight": "failed"}
+    vm = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states=states, records={"plan_run": phase(0, 0.5)},
+        spec=SPEC, training=None, record=None, published=None, hourly_price_usd=6.0, now=NOW, tasks=TASKS,
+        capacity="spot", compared_prices_usd={"reservation": 20.0, "on-demand": None},
+    )["vm"]
+    assert (vm["estimated_cost_usd"], vm["cost_on_reservation_usd"], vm["cost_on_demand_usd"]) == (0.0, 0.0, None)
+
+
+def test_a_preemption_is_told_as_such_and_counted():
+    at = int(T0.timestamp())
+    ledger = {
+        "1.json": {"recovery": 1, "reason": "VM x was preempted", "preempted": True, "resumes_after_step": 200,
+                   "lost_after_step": 230, "at": at},
+        "1-resumed.json": {"recovery": 1, "resumed_at": at + 600},
+        "2.json": {"recovery": 2, "reason": "VM x has answered no SSH for 600 s", "resumes_after_step": 400,
+                   "lost_after_step": 400, "at": at + 3600},
+        "3.json": {"recovery": 3, "reason": "VM x was preempted", "preempted": True, "resumes_after_step": 500,
+                   "lost_after_step": 510, "at": at + 7200},
+    }
+    rows = recovery_rows(ledger)
+    assert [row["preempted"] for row in rows] == [True, False, True]
+    result = build_summary(
+        dag_id="maxtext_sft", run_id="manual__r", order=PHASES, states={t: "success" for t in PHASES},
+        records=happy_records(), spec=SPEC, training=TRAINING, record=RECORD, published=None, hourly_price_usd=20.0,
+        now=NOW, tasks=TASKS, recoveries=rows,
+    )
+    assert result["preemptions"] == 2
+    text = render_text(result)
+    assert "Preemption 1 at 2026-11-30 10:00:00: resumed after step 200, 30 steps lost, 10.0 VM-minutes to resume; " \
+           "VM x was preempted" in text
+    assert "Recovery 2 at 2026-11-30 11:00:00: resumed after step 400, 0 steps lost;" in text
+    assert "Preemption 3 at 2026-11-30 12:00:00: resumed after step 500, 10 steps lost;" in text
+    assert summary({t: "success" for t in PHASES}, happy_records())["preemptions"] == 0

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
+from maxtext_sft.results.summary import capacity_wait_text
 from maxtext_sft.run.names import split_gcs_uri
 
 # fine_tune_dag tags every DAG it builds with this: the page finds the fine-tune DAGs by it.
@@ -146,13 +147,21 @@ def _eval_loss(record: Mapping[str, Any]) -> str:
 
 
 def _vm(summary: Mapping[str, Any]) -> str:
+    """The billed VM-hours and their cost; then, apart, a wait for capacity (not billed) and the
+    Spot preemptions, when there were any."""
     vm = summary.get("vm")
     if not isinstance(vm, Mapping):
         return NOTHING
     hours, cost = _number(vm.get("vm_hours")), _number(vm.get("estimated_cost_usd"))
     if hours is None:
         return NOTHING
-    return f"{hours:.3f} h, ${cost:.2f}" if cost is not None else f"{hours:.3f} h"
+    parts = [f"{hours:.3f} h, ${cost:.2f}" if cost is not None else f"{hours:.3f} h"]
+    if wait := capacity_wait_text(_number(vm.get("waited_for_capacity_seconds"))):
+        parts.append(wait)
+    preemptions = summary.get("preemptions")
+    if isinstance(preemptions, int) and preemptions > 0:
+        parts.append(f"{preemptions} preemption{'s' if preemptions > 1 else ''}")
+    return "; ".join(parts)
 
 
 def _published(published: Any, publish_state: str | None) -> Link:

@@ -73,18 +73,28 @@ def vm_usage(
     create_state: str | None,
     deleted: dict | None,
     instance_created_at: str | None = None,
+    instance_started_at: str | None = None,
     delete_state: str | None,
     hourly_price_usd: float | None,
     now: datetime,
+    capacity: str | None = None,
+    compared_prices_usd: Mapping[str, float | None] | None = None,
 ) -> dict[str, Any]:
-    """The VM's lifetime, VM-hours and estimated cost.
+    """The VM's billed lifetime, VM-hours and estimated cost.
 
-    The lifetime runs from the instance's creationTimestamp (create_vm's XCom; without it,
-    create_vm's first start) to delete_vm's end: it bounds the VM's real life from above (the
-    deletion is confirmed before the task ends), so the cost is at most this. The timestamp
-    matters because create_vm may have waited hours for a free machine before its insert. Without delete_vm's end it is counted up to `now`, still
-    an upper bound; unless delete_vm succeeded the VM may still be running. If create_vm never
-    started, no VM existed: no lifetime, cost 0.
+    `hourly_price_usd` prices an hour on the run's `capacity` (None: unknown, no cost); with a
+    capacity, `compared_prices_usd` ({"reservation": ..., "on-demand": ...}, None or absent when
+    not given) prices the same hours on the others. A rehearsal gives no capacity: its CPU VM is on
+    demand at its own price, compared with nothing.
+
+    The lifetime runs from the instance's lastStartTimestamp (create_vm's XCom: when it became
+    RUNNING, where billing starts), else its creationTimestamp, else create_vm's first start, to
+    delete_vm's end: it bounds the VM's billed life from above (the deletion is confirmed before
+    the task ends), so the cost is at most this. The timestamps matter because create_vm may have
+    waited hours for a free machine before its insert, and a flex-start VM waits PENDING, unbilled,
+    between its creation and its start (`waited_for_capacity_seconds`). Without delete_vm's end it
+    is counted up to `now`, still an upper bound; unless delete_vm succeeded the VM may still be
+    running. If create_vm never started, no VM existed: no lifetime, cost 0.
     """
     usage: dict[str, Any] = {
         "existed": False,
@@ -92,32 +102,50 @@ def vm_usage(
         "ended": None,
         "deleted": False,
         "lifetime_seconds": None,
+        "waited_for_capacity_seconds": None,
         "vm_hours": 0.0,
+        "capacity": capacity,
         "hourly_price_usd": hourly_price_usd,
         "estimated_cost_usd": 0.0,
+        "cost_on_reservation_usd": None,
+        "cost_on_demand_usd": None,
     }
+    compared = compared_prices_usd or {}
     if created is None and create_state not in STARTED_STATES:
-        return usage  # the run ended before create_vm: no VM, nothing to pay
+        return usage | _compared_costs(0.0, compared)  # the run ended before create_vm: no VM, nothing to pay
     usage["existed"] = True
     usage["deleted"] = delete_state == "success"
     if created is None:  # it ran, but left no record (killed before its callback): unknown
         usage.update(vm_hours=None, estimated_cost_usd=None)
         return usage
-    usage["started"] = instance_created_at or created["started"]
+    waited = _seconds(instance_created_at, instance_started_at)
+    usage["waited_for_capacity_seconds"] = waited if waited and waited > 0 else None
+    usage["started"] = instance_started_at or instance_created_at or created["started"]
     usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
     seconds = _seconds(usage["started"], usage["ended"])
     usage["lifetime_seconds"] = seconds
     usage["vm_hours"] = round(seconds / 3600, 4)
-    usage["estimated_cost_usd"] = (
-        round(seconds / 3600 * hourly_price_usd, 2) if hourly_price_usd is not None else None
-    )
-    return usage
+    usage["estimated_cost_usd"] = _cost(seconds / 3600, hourly_price_usd)
+    return usage | _compared_costs(seconds / 3600, compared)
+
+
+def _cost(hours: float, price: float | None) -> float | None:
+    return round(hours * price, 2) if price is not None else None
+
+
+def _compared_costs(hours: float, compared: Mapping[str, float | None]) -> dict[str, float | None]:
+    """What the same hours would have cost on a reservation and on demand (None: price not given)."""
+    return {
+        "cost_on_reservation_usd": _cost(hours, compared.get("reservation")),
+        "cost_on_demand_usd": _cost(hours, compared.get("on-demand")),
+    }
 
 
 def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per recovery of the run's ledger (vm_recovery: N.json, and N-resumed.json once its
-    training resumed): when and why, the steps lost (trained on the lost VM after the checkpoint
-    the new one resumed from), and the VM-minutes from the new VM's insert to the resumed training."""
+    training resumed): when and why (`preempted`: the VM was lost to a Spot preemption), the steps
+    lost (trained on the lost VM after the checkpoint the new one resumed from), and the VM-minutes
+    from the new VM's insert to the resumed training."""
     rows = []
     for name, entry in sorted(ledger.items()):
         if ledger_entry_number(name) is None:
@@ -130,6 +158,7 @@ def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
             "recovery": number,
             "at": datetime.fromtimestamp(at, timezone.utc).isoformat() if at else None,
             "reason": entry.get("reason"),
+            "preempted": bool(entry.get("preempted")),
             "resumes_after_step": entry.get("resumes_after_step"),
             "steps_lost": max(0, lost - kept) if lost is not None else None,
             "vm_minutes_to_resume": round((resumed_at - at) / 60, 2) if at and resumed_at else None,
@@ -152,8 +181,11 @@ def build_summary(
     hourly_price_usd: float | None,
     now: datetime,
     tasks: SummaryTasks,
+    capacity: str | None = None,
+    compared_prices_usd: Mapping[str, float | None] | None = None,
     recoveries: Sequence[Mapping[str, Any]] = (),
     instance_created_at: str | None = None,
+    instance_started_at: str | None = None,
     rehearsal_checks: Sequence[Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
@@ -171,9 +203,12 @@ def build_summary(
         create_state=states.get(tasks.create_vm),
         deleted=records.get(tasks.delete_vm),
         instance_created_at=instance_created_at,
+        instance_started_at=instance_started_at,
         delete_state=states.get(tasks.delete_vm),
         hourly_price_usd=hourly_price_usd,
         now=now,
+        capacity=capacity,
+        compared_prices_usd=compared_prices_usd,
     )
     if vm["existed"] and not vm["deleted"]:
         warnings.append(f"{tasks.delete_vm} did not confirm the deletion: the VM may still exist (counted up to now)")
@@ -204,6 +239,7 @@ def build_summary(
         "outputs": outputs,
         "published": dict(published) if published else None,
         "recoveries": [dict(row) for row in recoveries],
+        "preemptions": sum(1 for row in recoveries if row.get("preempted")),
         **({"rehearsal_checks": [dict(row) for row in rehearsal_checks]} if rehearsal_checks is not None else {}),
         "tasks": asdict(tasks),
         "warnings": warnings,
@@ -222,6 +258,14 @@ def format_duration(seconds: float | None) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m {secs:02d}s"
     return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def capacity_wait_text(seconds: Any) -> str | None:
+    """The VM's unbilled wait for capacity in words, when it waited more than a second (the
+    summary's text, the Fine-tunes page); None otherwise."""
+    if not isinstance(seconds, (int, float)) or seconds <= 1:
+        return None
+    return f"waited {format_duration(seconds)} for capacity (not billed)"
 
 
 def _clock(text: str) -> str:
@@ -260,15 +304,18 @@ def render_text(summary: Mapping[str, Any]) -> str:
         cost = "not estimated (no price)" if vm["estimated_cost_usd"] is None else (
             f"${vm['estimated_cost_usd']:.2f} at ${vm['hourly_price_usd']:.2f}/hour"
         )
+        if vm.get("capacity"):
+            cost = _capacity_costs(vm, cost)
+        wait = capacity_wait_text(vm.get("waited_for_capacity_seconds"))
         lines.append(
             f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
-            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}"
+            f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}" + (f"; {wait}" if wait else "")
         )
     for row in summary.get("recoveries") or ():
         lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"
         minutes = "" if row["vm_minutes_to_resume"] is None else f", {row['vm_minutes_to_resume']:.1f} VM-minutes to resume"
         lines.append(
-            f"Recovery {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
+            f"{'Preemption' if row.get('preempted') else 'Recovery'} {row['recovery']} at {_clock(row['at']) if row['at'] else '?'}: resumed after step "
             f"{row['resumes_after_step']}, {lost}{minutes}; {row['reason']}"
         )
     if summary["final_step"] is None:
@@ -296,6 +343,24 @@ def render_text(summary: Mapping[str, Any]) -> str:
         lines += render_checks(summary["rehearsal_checks"])
     lines += [f"Warning: {warning}" for warning in summary["warnings"]]
     return "\n".join(lines)
+
+
+def _capacity_costs(vm: Mapping[str, Any], cost: str) -> str:
+    """The cost's words with the capacity named, and the same hours on a reservation and on demand."""
+    capacity = vm["capacity"]
+    if vm["estimated_cost_usd"] is None:
+        cost = f"not estimated (no {capacity} price given)"
+    else:
+        cost += f" ({capacity})"
+    others = [
+        f"price {words} not given" if vm.get(key) is None else f"${vm[key]:.2f} {words}"
+        for other, key, words in (
+            ("reservation", "cost_on_reservation_usd", "on a reservation"),
+            ("on-demand", "cost_on_demand_usd", "on demand"),
+        )
+        if other != capacity
+    ]
+    return f"{cost}; the same hours: {', '.join(others)}"
 
 
 def render_checks(rows: Sequence[Mapping[str, str]]) -> list[str]:

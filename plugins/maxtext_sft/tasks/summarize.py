@@ -63,26 +63,57 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id:
         record=ti.xcom_pull(task_ids=tasks.outputs),
         published=ti.xcom_pull(task_ids=tasks.publish),
         # Without a spec plan_run failed: no VM existed, so no price is needed.
-        hourly_price_usd=_hourly_price(spec),
+        **_pricing(spec),
         now=datetime.now(timezone.utc),
         tasks=tasks,
         recoveries=recovery_rows(recovery_ledger(spec, gcp_conn_id)),
-        # When the VM came to be (after any wait for capacity): the instance create_vm returned.
-        # (A slice's create returns its hosts instead: the group's first start stands in.)
-        instance_created_at=_created_at(ti.xcom_pull(task_ids=tasks.create_vm)),
+        # When the VM came to be (after any wait for capacity) and when it started RUNNING (billing
+        # starts): the instance create_vm returned. (A slice's create returns its hosts instead:
+        # the group's first start stands in.)
+        **_instance_times(ti.xcom_pull(task_ids=tasks.create_vm)),
         rehearsal_checks=_rehearsal_checks(ti, states, spec, gcp_conn_id) if spec and RunSpec.from_dict(spec).rehearsal else None,
     )
 
 
-def _hourly_price(spec: dict | None) -> float | None:
-    """What the run's machines cost an hour: the VM's price, times a slice's hosts."""
-    if not spec or spec.get("vm_hourly_price_usd") is None:
-        return None
-    return spec["vm_hourly_price_usd"] * RunSpec.from_dict(spec).hosts
+# The Param that prices an hour of the VM on each capacity type (run/params.py).
+PRICE_PARAMS = {
+    "reservation": "vm_hourly_price_usd",
+    "on-demand": "on_demand_hourly_price_usd",
+    "spot": "spot_hourly_price_usd",
+    "flex-start": "flex_start_hourly_price_usd",
+}
 
 
-def _created_at(created) -> str | None:
-    return created.get("creation_timestamp") if isinstance(created, dict) else None
+def _pricing(spec: dict | None) -> dict[str, Any]:
+    """build_summary's prices: what the run's machines cost an hour on its capacity type and, to
+    compare, on a reservation and on demand (the Param's price times a slice's hosts; None when
+    not given). A rehearsal's CPU VM is on demand at its own vm_hourly_price_usd: no capacity to
+    name, nothing to compare."""
+    if not spec:
+        return {"hourly_price_usd": None}
+    run = RunSpec.from_dict(spec)
+
+    def price(capacity: str) -> float | None:
+        value = getattr(run, PRICE_PARAMS[capacity])
+        return None if value is None else value * run.hosts
+
+    if run.rehearsal:
+        return {"hourly_price_usd": price("reservation")}
+    return {
+        "hourly_price_usd": price(run.capacity),
+        "capacity": run.capacity,
+        "compared_prices_usd": {capacity: price(capacity) for capacity in ("reservation", "on-demand")},
+    }
+
+
+def _instance_times(created) -> dict[str, str | None]:
+    """build_summary's instance_created_at and instance_started_at from create_vm's XCom
+    (`Instance.to_dict`, taken once the instance is RUNNING)."""
+    instance = created if isinstance(created, dict) else {}
+    return {
+        "instance_created_at": instance.get("creation_timestamp"),
+        "instance_started_at": instance.get("last_start_timestamp"),
+    }
 
 
 def _rehearsal_checks(ti, states: dict, spec: dict, gcp_conn_id: str) -> list[dict[str, str]]:
