@@ -118,7 +118,9 @@ def vm_usage(
     if created is None:  # it ran, but left no record (killed before its callback): unknown
         usage.update(vm_hours=None, estimated_cost_usd=None)
         return usage
-    waited = _seconds(instance_created_at, instance_started_at)
+    # Only a flex-start VM waits between its creation and its start; any other VM's gap is its
+    # provisioning (seconds), not a wait for capacity.
+    waited = _seconds(instance_created_at, instance_started_at) if capacity == "flex-start" else None
     usage["waited_for_capacity_seconds"] = waited if waited and waited > 0 else None
     usage["started"] = instance_started_at or instance_created_at or created["started"]
     usage["ended"] = deleted["ended"] if usage["deleted"] and deleted else now.isoformat()
