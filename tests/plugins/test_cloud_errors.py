@@ -14,7 +14,7 @@ from google.api_core import exceptions as gexc
 from googleapiclient.errors import HttpError
 
 from localcloud.compute.error_catalog import INSTANCE_ERRORS, error_values, fill
-from maxtext_sft.cloud.errors import Action, OperationFailed, classify
+from maxtext_sft.cloud.errors import Action, OperationFailed, classify, waits_for_capacity
 
 WHERE = error_values("p-1", "us-east5-b", {"name": "vm-1", "reservationAffinity": {"values": ["r-1"]}})
 
@@ -27,6 +27,7 @@ EXPECTED = {
     "zone_resource_pool_exhausted": ("zone out of capacity (stockout)", Action.RETRY),
     "zone_resource_pool_exhausted_with_details": ("zone out of capacity (stockout)", Action.RETRY),
     "quota_exceeded": ("quota exceeded", Action.FAIL),
+    "preemptible_tpu_quota_exceeded": ("quota exceeded", Action.FAIL),  # its limit is 0: never granted
     "permission_denied": ("permission denied", Action.FAIL),
 }
 
@@ -105,3 +106,28 @@ def test_what_is_not_the_clouds_verdict_is_not_classified():
     assert classify(ValueError("bug")) is None
     assert classify(ConnectionResetError()) is None
     assert classify(OperationFailed({"status": "DONE", "error": {"errors": [{"code": "X", "message": "y"}]}})) is None
+
+
+@pytest.mark.parametrize(
+    ("limit", "cause", "waited_out"),
+    [("64.0", "preemptible quota held by other VMs", True), ("8", "preemptible quota held by other VMs", True),
+     ("0.0", "quota exceeded", False), ("0", "quota exceeded", False)],
+)
+def test_preemptible_quota_other_vms_hold_is_waited_out_by_a_run_without_a_reservation(limit, cause, waited_out):
+    message = f"Quota 'PREEMPTIBLE_TPU_V6E' exceeded.  Limit: {limit} in region us-east5."
+    verdict = classify(OperationFailed({"status": "DONE", "httpErrorStatusCode": 403,
+                                        "error": {"errors": [{"code": "QUOTA_EXCEEDED", "message": message}]}}))
+    assert verdict.rule.cause == cause
+    assert waits_for_capacity(verdict, waits_out_stockouts=True) is waited_out
+    assert waits_for_capacity(verdict, waits_out_stockouts=False) is False  # a reservation run: not its quota to wait for
+    # Another quota with room is a person's to raise, not waited for.
+    other = classify(OperationFailed({"error": {"errors": [{"code": "QUOTA_EXCEEDED", "message": message.replace("PREEMPTIBLE_TPU_V6E", "CPUS")}]}}))
+    assert other.rule.cause == "quota exceeded"
+
+
+def test_a_stockout_is_waited_out_only_without_a_reservation():
+    verdict = classify(operation_failed("zone_resource_pool_exhausted"))
+    assert waits_for_capacity(verdict, waits_out_stockouts=True) is True
+    assert waits_for_capacity(verdict, waits_out_stockouts=False) is False
+    assert waits_for_capacity(classify(operation_failed("reservation_full")), waits_out_stockouts=False) is True
+    assert waits_for_capacity(None, waits_out_stockouts=True) is False

@@ -40,6 +40,7 @@ from airflow.sdk.exceptions import AirflowException
 
 # The cause of a zone's (or region's) stockout: retried, or waited out by a run with no reservation.
 STOCKOUT = "zone out of capacity (stockout)"
+PREEMPTIBLE_QUOTA_IN_USE = "preemptible quota held by other VMs"
 
 
 class Action(enum.Enum):
@@ -144,6 +145,17 @@ RULES: tuple[Rule, ...] = (
         Action.RETRY,
         code=r"^(ZONE_|REGION_)?RESOURCE_POOL_EXHAUSTED(_WITH_DETAILS)?$|^INSUFFICIENT_CAPACITY$|^insufficientCapacity$",
     ),
+    # Spot and flex-start VMs use the preemptible quota (PREEMPTIBLE_TPU_V6E for v6e), which the
+    # project's other Spot VMs hold too: with a limit above 0 it frees as they end, so a run with
+    # no reservation waits it out like a stockout (waits_for_capacity); a limit of 0 is never
+    # granted and falls to the next rule. The message is the quota error's own ("Quota 'CPUS'
+    # exceeded.  Limit: 0.0 in region us-east5." in CA's TestErrors) with the metric's name.
+    Rule(
+        PREEMPTIBLE_QUOTA_IN_USE,
+        Action.RETRY,
+        code=r"(?i)quota",
+        message=r"Quota 'PREEMPTIBLE_\w+' exceeded\.\s+Limit: (?!0(\.0+)?\s)\d+(\.\d+)?\s",
+    ),
     # CA `isQuotaExceededErrorCode`: any code containing QUOTA (operation QUOTA_EXCEEDED); SkyPilot
     # `_gcp_handler` (QUOTA_EXCEEDED, and the synchronous reason quotaExceeded); Google's bulk
     # creation page (HTTP 403 `quotaExceeded`). A quota is raised by a person, not by waiting.
@@ -239,8 +251,11 @@ def classify_items(items: list[dict]) -> Verdict | None:
 
 def waits_for_capacity(verdict: Verdict | None, *, waits_out_stockouts: bool) -> bool:
     """Whether a refused insert waits for capacity (deferred, up to max_capacity_wait_minutes):
-    a full reservation always; a zone's stockout when the run has no reservation to wait for
-    (RunSpec.waits_out_stockouts), since the task's few retries would give up within minutes."""
+    a full reservation always; a zone's stockout, or preemptible quota other VMs hold, when the
+    run has no reservation to wait for (RunSpec.waits_out_stockouts), since the task's few retries
+    would give up within minutes."""
     if verdict is None:
         return False
-    return verdict.action is Action.WAIT_FOR_CAPACITY or (waits_out_stockouts and verdict.rule.cause == STOCKOUT)
+    return verdict.action is Action.WAIT_FOR_CAPACITY or (
+        waits_out_stockouts and verdict.rule.cause in (STOCKOUT, PREEMPTIBLE_QUOTA_IN_USE)
+    )
