@@ -1,4 +1,4 @@
-"""Supervised fine-tuning with MaxText on a reservation-bound Cloud TPU VM, triggered by hand.
+"""Supervised fine-tuning with MaxText on a Cloud TPU VM (a reservation's, flex-start, Spot or on demand), triggered by hand.
 
 Trigger with run conf to override any Param; the trigger form documents each one. The steps
 (the tutorial's runbook) are in plugins/maxtext_sft/builders/pipeline.py, shared with the declared jobs

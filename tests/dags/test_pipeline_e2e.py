@@ -58,7 +58,10 @@ def test_the_run_summary_times_every_phase_and_prices_the_vm(happy_run):
     assert all(row["duration_seconds"] > 0 for task_id, row in phases.items() if task_id != "vm_lease")
     vm = summary["vm"]
     assert vm["existed"] and vm["deleted"] and vm["hourly_price_usd"] == 20.0
-    assert vm["started"] == run.xcoms["create_vm.return_value"]["creation_timestamp"]  # the instance's own
+    # Billed from the instance's own start (RUNNING), after its creation; the reservation's VM waited for nothing.
+    instance = run.xcoms["create_vm.return_value"]
+    assert vm["started"] == instance["last_start_timestamp"] >= instance["creation_timestamp"]
+    assert vm["capacity"] == "reservation" and vm["waited_for_capacity_seconds"] is None
     when = {key: datetime.fromisoformat(phases["create_vm"][key]) for key in ("started", "ended")}
     assert when["started"] <= datetime.fromisoformat(vm["started"]) <= when["ended"]
     assert vm["ended"] == phases["delete_vm"]["ended"]

@@ -71,7 +71,7 @@ def fine_tune_dag(
     max_active_runs: int = 16,
     max_consecutive_failed_dag_runs: int = 0,
     is_paused_upon_creation: bool | None = None,
-    description: str = "MaxText SFT on a reservation-bound TPU VM, deleted whatever happens",
+    description: str = "MaxText SFT on a TPU VM (reservation, flex-start, Spot or on demand), deleted whatever happens",
     tags: list[str] | None = None,
     owner: str = "ml-platform",
     on_failure_callback: Callable | None = None,
