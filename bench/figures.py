@@ -33,6 +33,9 @@ def epoch(when: datetime) -> float:
 
 # ----- the VM's billed lifetime -------------------------------------------------------------
 
+PREEMPTED = "compute.instances.preempted"
+
+
 def vm_lifetimes(requests: Sequence[Mapping], operations: Iterable[Mapping]) -> dict[str, dict[str, Any]]:
     """VM name -> {"start", "end", "seconds"} (epoch seconds): from the accepted insert POST to the
     delete's operation DONE.
@@ -41,17 +44,39 @@ def vm_lifetimes(requests: Sequence[Mapping], operations: Iterable[Mapping]) -> 
     its operation, e.g. CONDITION_NOT_MET for a full reservation, made no VM); its POST is found in
     the request log by its requestId (the operation's clientOperationId), else the operation's
     insertTime stands for it. The end is the delete operation's endTime. A VM with no DONE delete
-    has end None (still billed when the log was read).
+    has end None (still billed when the log was read). One VM per name, the last made: a name
+    made several times (a Spot VM preempted and made again) has them all in `vm_lives`.
     """
-    inserted: dict[str, Mapping] = {}
-    deleted: dict[str, Mapping] = {}
+    return {
+        name: {key: lives[-1][key] for key in ("start", "end", "seconds")}
+        for name, lives in vm_lives(requests, operations).items()
+    }
+
+
+def vm_lives(
+    requests: Sequence[Mapping], operations: Iterable[Mapping], soft_off_seconds: float = 0.0
+) -> dict[str, list[dict[str, Any]]]:
+    """VM name -> every VM made under that name, oldest first: {"start", "end", "seconds",
+    "ended_by", "preempted_at"} (epoch seconds).
+
+    Each VM starts at its accepted insert (as in `vm_lifetimes`) and ends at the first end the
+    cloud recorded for its name after that start and before the name's next insert: a delete
+    operation's endTime ("ended_by": "delete"), or a compute.instances.preempted operation's
+    endTime plus `soft_off_seconds`, the guest's soft off after which the cloud deleted it with no
+    delete operation ("ended_by": "preempted"; "preempted_at" is the operation's time). A VM with
+    no recorded end has end, seconds and ended_by None.
+    """
+    inserts: dict[str, list[Mapping]] = {}
+    ends: dict[str, list[tuple[float, str]]] = {}  # name -> (when the cloud recorded it, kind)
     for op in operations:
         name = str(op.get("targetLink", "")).rstrip("/").rsplit("/", 1)[-1]
         kind = op.get("operationType")
-        if kind == "insert" and op.get("status") == "DONE" and "error" not in op:
-            inserted[name] = op
-        elif kind == "delete" and op.get("status") == "DONE" and "error" not in op:
-            deleted[name] = op
+        if op.get("status") != "DONE" or "error" in op:
+            continue
+        if kind == "insert":
+            inserts.setdefault(name, []).append(op)
+        elif kind in ("delete", PREEMPTED):
+            ends.setdefault(name, []).append((epoch(parse_time(op["endTime"])), kind))
     posts: dict[tuple[str, str | None], float] = {}
     for entry in requests:
         if entry.get("method") == "POST" and entry.get("status") == 200 and str(entry.get("path", "")).endswith("/instances"):
@@ -59,14 +84,27 @@ def vm_lifetimes(requests: Sequence[Mapping], operations: Iterable[Mapping]) -> 
             request_id = (entry.get("query") or {}).get("requestId")
             key = (name, request_id)
             posts.setdefault(key, epoch(parse_time(entry["time"])))  # the first acceptance
-    lives = {}
-    for name, op in inserted.items():
-        start = posts.get((name, op.get("clientOperationId")))
-        if start is None:
-            start = epoch(parse_time(op["insertTime"]))
-        end_op = deleted.get(name)
-        end = epoch(parse_time(end_op["endTime"])) if end_op else None
-        lives[name] = {"start": start, "end": end, "seconds": None if end is None else end - start}
+    lives: dict[str, list[dict[str, Any]]] = {}
+    for name, ops in inserts.items():
+        starts = []
+        for op in ops:
+            start = posts.get((name, op.get("clientOperationId")))
+            starts.append(epoch(parse_time(op["insertTime"])) if start is None else start)
+        starts.sort()
+        mine = []
+        for i, start in enumerate(starts):
+            following = starts[i + 1] if i + 1 < len(starts) else math.inf
+            found = sorted((at, kind) for at, kind in ends.get(name, ()) if start <= at <= following)
+            life: dict[str, Any] = {"start": start, "end": None, "seconds": None, "ended_by": None, "preempted_at": None}
+            if found:
+                at, kind = found[0]
+                if kind == PREEMPTED:
+                    life.update(end=at + soft_off_seconds, ended_by="preempted", preempted_at=at)
+                else:
+                    life.update(end=at, ended_by="delete")
+                life["seconds"] = life["end"] - start
+            mine.append(life)
+        lives[name] = mine
     return lives
 
 

@@ -1,6 +1,6 @@
 """`make bench`: the figures a platform team asks for, each a ratio measured in this one invocation.
 
-    python -m bench [--snapshots 4] [--capacity 2] [--steps 60] [--seconds-per-step 1.0]
+    python -m bench [--snapshots 4] [--capacity 2] [--steps 60] [--seconds-per-step 1.0] [--spot-preemptions 2]
                     [--cold-image PROJECT/FAMILY] [--repeat-image PROJECT/FAMILY|baked|none] [--skip-parse-cost]
 
 Starts a private PostgreSQL server, the local cloud (fast MaxText stand-in) and Airflow's
@@ -8,6 +8,9 @@ components (api-server, scheduler, dag-processor, triggerer; LocalExecutor) on o
 then runs the pipeline through Airflow's real scheduler:
   1. a cold run (empty output location: it converts the checkpoint and publishes the conversion)
      on the bare image (no MaxText: its install step does the work),
+  1b. a Spot run of the same job on the same image, its VM preempted twice mid-training (at 1/3
+     and 2/3 of the steps; each time the run makes the VM again and resumes from its last
+     checkpoint),
   2. a bake (maxtext_sft_bake_image: MaxText installed on a VM of the bare image, imaged into a
      family), then a repeat run of the same model and MaxText version into the same output
      location, booting the baked family,
@@ -26,10 +29,12 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -73,6 +78,10 @@ OUTPUT_LOCATION = f"gs://{LOCAL_BUCKET}/bench"
 WORK_TASKS = ("install_maxtext", "convert_checkpoint", "export_to_hf")
 DONE = ("success", "failed")
 WATCHED_STATES = ("queued", "running", "deferred", "up_for_reschedule", "up_for_retry")
+
+# The Spot run (issue 31): its VM's soft off when preempted (Compute Engine gives 30 s).
+SPOT_SOFT_OFF_SECONDS = 1.0
+COMPLETED_STEP = re.compile(r"completed step: (\d+),")
 
 # Goals, from the issue.
 GOAL_BILLED = 1.03
@@ -181,6 +190,108 @@ def trigger_and_wait(airflow: Airflow, conf: dict, timeout: float, what: str) ->
     return run
 
 
+# ----- the Spot run ---------------------------------------------------------------------------
+
+def spot_checkpoint_period(steps: int) -> int:
+    """A checkpoint every tenth of the steps (what an empty checkpoint_period gives): several
+    between two preemptions."""
+    return max(1, steps // 10)
+
+
+def preempt_steps(steps: int, count: int) -> list[int]:
+    """The completed steps after which the Spot VM is preempted, evenly spread: 1/3 and 2/3 of the
+    steps for two."""
+    return [max(1, round(steps * (i + 1) / (count + 1))) for i in range(count)]
+
+
+def last_logged_step(cloud: LocalCloud, vm_name: str, run_name: str) -> int | None:
+    """The last "completed step: N," the run's training log on running VM `vm_name` shows."""
+    steps = []
+    for log in (cloud.state_dir / "vms" / vm_name / "home").glob(f"*/maxtext-sft-runs/{run_name}/train.log"):
+        try:
+            steps += [int(n) for n in COMPLETED_STEP.findall(log.read_text(errors="replace"))]
+        except OSError:  # the VM is being deleted
+            pass
+    return max(steps, default=None)
+
+
+class Preempter(threading.Thread):
+    """Preempts the Spot run's VM, by name, as Compute Engine does (LocalCloud.preempt_vm: the
+    preempted operation, a soft off, the VM deleted) once its training log shows each of `steps`
+    completed, each time on the VM the run made again. Keeps, per preempted VM, the step its log
+    showed when preempted and its file manifest (the next deletion of the name overwrites it: the
+    training process's start is its pid file's time), and when that manifest was written."""
+
+    def __init__(self, cloud: LocalCloud, vm_name: str, run_name: str, steps: list[int], timeout: float):
+        super().__init__(name="bench-preempter", daemon=True)
+        self.cloud, self.vm_name, self.run_name, self.steps = cloud, vm_name, run_name, steps
+        self.deadline = time.monotonic() + timeout
+        self.run_over = threading.Event()  # set by the bench once the run has ended
+        self.preempted: list[dict] = []
+        self.error: str | None = None
+
+    def _wait(self, ready, what: str) -> None:
+        while not ready():
+            if self.run_over.is_set() or time.monotonic() > self.deadline:
+                raise TimeoutError(f"the run ended (or the time ran out) before {what}")
+            time.sleep(0.2)  # polling interval; the VM's files and the cloud's VMs are read again
+
+    def _running(self) -> bool:
+        return any(vm["name"] == self.vm_name and not vm.get("preempted") for vm in self.cloud.vms())
+
+    def run(self) -> None:
+        manifest = self.cloud.state_dir / "deleted" / f"{self.vm_name}.json"
+        try:
+            for step in self.steps:
+                self._wait(lambda: self._running() and (last_logged_step(self.cloud, self.vm_name, self.run_name) or 0) >= step,
+                           f"step {step} on {self.vm_name}")
+                logged = last_logged_step(self.cloud, self.vm_name, self.run_name)
+                called = time.time()
+                answer = self.cloud.preempt_vm(self.vm_name, soft_off_seconds=SPOT_SOFT_OFF_SECONDS)
+                say(f"  preempted {self.vm_name} after step {logged} (operation {answer.get('operation')})")
+                last = [logged or 0]  # the steps its soft off still trained
+
+                def gone() -> bool:
+                    last.append(last_logged_step(self.cloud, self.vm_name, self.run_name) or 0)
+                    return manifest.exists() and manifest.stat().st_mtime >= called  # written as it was deleted
+
+                self._wait(gone, f"the preempted {self.vm_name} to be gone")
+                self.preempted.append({
+                    "after_step": step, "step_logged_at_preemption": logged, "last_step_logged": max(last),
+                    "operation": answer.get("operation"), "preempt_called": called,
+                    "manifest_written": manifest.stat().st_mtime,
+                    "training": figures.marker_times(json.loads(manifest.read_text()), self.run_name),
+                })
+        except Exception as error:  # the row says why it has no figure; the run itself decides the exit
+            self.error = f"{type(error).__name__}: {error}"
+
+
+def spot_run(airflow: Airflow, cloud: LocalCloud, args) -> dict:
+    """One Spot run of the job (no reservation; the cold run's image), preempted args.spot_preemptions
+    times mid-training; what it left (collect_run), with the preempted VMs' records."""
+    conf = {**image_conf(args.cold_image), "capacity": "spot", "reservation": None,
+            "checkpoint_period": spot_checkpoint_period(args.steps)}
+    run_id = airflow.trigger(conf)
+    deadline = time.monotonic() + args.run_timeout
+    while not (spec := patient(airflow.xcom, run_id, "plan_run", "spec")):
+        run = patient(airflow.run, run_id)
+        if run["state"] in DONE or time.monotonic() > deadline:
+            raise RunFailed(f"the Spot run ({run_id}) failed before its spec: {why_failed(run)}")
+        time.sleep(1)  # polling interval; plan_run's XCom is read again
+    preempter = Preempter(cloud, spec["vm_name"], spec["run_name"], preempt_steps(args.steps, args.spot_preemptions),
+                          args.run_timeout)
+    preempter.start()
+    try:
+        [run] = wait_for_runs(airflow, lambda: [airflow.run(run_id)], 1, args.run_timeout, "Spot run")
+    finally:
+        preempter.run_over.set()
+        preempter.join(30)
+    if run["state"] != "success":
+        raise RunFailed(f"the Spot run ({run_id}) failed: {why_failed(run)}")
+    return {**collect_run(airflow, cloud, run), "conf": conf, "preempted_vms": preempter.preempted,
+            "preempter_error": preempter.error}
+
+
 def why_failed(run: dict) -> str:
     """A failed run's cause, as its note says it (the run-notes listener writes the first failed
     task and its error there: maxtext_sft/ui/run_notes.py)."""
@@ -234,6 +345,9 @@ def collect_run(airflow: Airflow, cloud: LocalCloud, run: dict) -> dict:
             for row in summary.get("phases", [])
         },
         "training": (training_start, training_end),
+        # Each recovery of the run (a Spot preemption among them): steps lost, VM-minutes to resume.
+        "recoveries": summary.get("recoveries") or [],
+        "preemptions": summary.get("preemptions"),
         # The step scripts say which way they went (include/vm/install_maxtext.sh, convert_to_maxtext.sh).
         "install_did_work": "Installing MaxText" in install_log,
         "install_skipped": "nothing to do" in install_log,
@@ -299,6 +413,103 @@ def billed_over_workload(run: dict, life: dict | None) -> dict:
         "workload": {label: (end - start) for label, start, end in work if start is not None and end is not None},
         "rest": {k: v for k, v in totals.items() if k not in {label for label, _, _ in work}},
     }
+
+
+TRAINING = "training process"
+TRAINED_TWICE = "steps trained twice"
+SOFT_OFF = "preempted VMs' soft off"
+RESUME = "new VMs' boot, install, conversion, resume"
+
+
+def spot_billed_over_workload(run: dict, lives: list[dict] | None, seconds_per_step: float) -> dict:
+    """A Spot run preempted mid-training: every VM it made under its name, billed from its
+    accepted insert to its end (a preempted one: the preempted operation's time plus the soft off,
+    when the cloud deleted it; the last: its delete operation DONE), over the cold run's workload
+    (install + conversion + export, the summary's phases) plus its trainings' processes but the
+    steps trained twice. The rest: each preemption's steps trained again (the steps after the
+    checkpoint the next VM resumed from, before the preemption: their count x seconds per step),
+    the soft offs, each new VM's insert to its training process (boot, install, conversion,
+    resume), and what the cold run's VM spends beside its work."""
+    if not lives or any(life["end"] is None for life in lives):
+        return {"measured": None, "why": "a VM of the run has no end in the cloud's operations"}
+    preempted_vms = run.get("preempted_vms") or []
+    if len(lives) != len(preempted_vms) + 1 or [life["ended_by"] for life in lives[:-1]] != ["preempted"] * len(preempted_vms):
+        return {"measured": None, "why": f"{len(lives)} VMs made, {len(preempted_vms)} preempted by the bench"
+                + (f" ({run['preempter_error']})" if run.get("preempter_error") else "")}
+    trainings = [vm["training"] for vm in preempted_vms] + [run["training"]]
+    if any(start is None for start, _ in trainings) or trainings[-1][1] is None:
+        return {"measured": None, "why": "a training's pid/exit_code files were not in its VM's manifest"}
+    rows = [row for row in run.get("recoveries", []) if row.get("preempted")]
+    phases = run["phases"]
+    phase = lambda task: phases.get(task, (None, None))  # noqa: E731
+    work = [(task, *phase(task)) for task in WORK_TASKS]
+    labelled = list(work)
+    lost = []  # per preemption: (steps trained twice before it, as the VM's log showed; the summary's steps_lost)
+    for i, (life, (t_start, t_end)) in enumerate(zip(lives, trainings)):
+        if life["ended_by"] == "preempted":
+            row = rows[i] if i < len(rows) else {}
+            kept = row.get("resumes_after_step")
+            logged = preempted_vms[i].get("step_logged_at_preemption")
+            steps = max(0, logged - (kept or 0)) if logged is not None else row.get("steps_lost")
+            lost.append((steps, row.get("steps_lost")))
+            at = life["preempted_at"]
+            labelled += [(TRAINED_TWICE, at - (steps or 0) * seconds_per_step, at), (SOFT_OFF, at, life["end"])]
+        labelled.append((TRAINING, t_start, t_end if t_end is not None else life["end"]))
+        if i:
+            labelled.append((RESUME, life["start"], t_start))
+    labelled += [
+        ("boot (insert accepted -> create_vm done)", lives[0]["start"], phase("create_vm")[1]),
+        ("wait_for_ssh", *phase("wait_for_ssh")),
+        ("start_training task", *phase("start_training")),
+        ("sensor noticing the end", *phase("wait_for_final_checkpoint")),
+        ("collect_outputs", *phase("collect_outputs")),
+        ("delete (delete_vm start -> operation DONE)", phase("delete_vm")[0], lives[-1]["end"]),
+    ]
+    totals: dict[str, float] = {}
+    for life in lives:  # no VM between a preempted one's end and the next insert: nothing billed
+        for label, seconds in figures.attribute((life["start"], life["end"]), labelled,
+                                                rest="between tasks (scheduling, task start-up)").items():
+            totals[label] = totals.get(label, 0.0) + seconds
+    work_labels = {*WORK_TASKS, TRAINING}
+    workload = sum(seconds for label, seconds in totals.items() if label in work_labels)
+    billed = sum(life["seconds"] for life in lives)
+    return {
+        "measured": billed / workload if workload else None,
+        "lifetime_seconds": billed,
+        "workload_seconds": workload,
+        "vm_seconds": [life["seconds"] for life in lives],
+        "workload": {label: totals.get(label, 0.0) for label in (*WORK_TASKS, TRAINING)},
+        "rest": {label: seconds for label, seconds in totals.items() if label not in work_labels},
+        "steps_lost": [steps for steps, _ in lost],
+        "summary_steps_lost": [summary for _, summary in lost],
+        "minutes_to_resume": [row.get("vm_minutes_to_resume") for row in rows],
+        "resume_step_seconds": [row.get("step_seconds") or {} for row in rows],
+        # Each preempted VM's end from the operation, against the time its manifest was written
+        # as the emulator deleted it (a check, not the figure).
+        "end_after_manifest": [vm["manifest_written"] - life["end"] for vm, life in zip(preempted_vms, lives)],
+    }
+
+
+def spot_detail(spot: dict) -> str:
+    """The Spot row's last cell: where the time beyond the workload went, then the preemptions'
+    steps and resumes as the run summary has them."""
+    if spot.get("measured") is None:
+        return "-"
+    lost = "+".join("?" if steps is None else str(steps) for steps in spot["steps_lost"])
+    said = "+".join("?" if steps is None else str(steps) for steps in spot["summary_steps_lost"])
+    steps: dict[str, float] = {}
+    for row in spot["resume_step_seconds"]:
+        for step, seconds in row.items():
+            steps[step] = steps.get(step, 0.0) + seconds
+    minutes = ", ".join("?" if m is None else f"{m:.2f}" for m in spot["minutes_to_resume"])
+    return "; ".join(part for part in (
+        figures.spent_on(spot["rest"]),
+        f"VMs {' + '.join(f'{s:.1f}' for s in spot['vm_seconds'])} s",
+        f"steps trained twice: {lost} (the VM's log at each preemption less the checkpoint resumed from; "
+        f"the summary's steps_lost: {said})",
+        f"VM-minutes to resume (summary): {minutes}",
+        "resume steps, all recoveries: " + figures.spent_on(steps) if steps else "",
+    ) if part)
 
 
 LAUNCHES_TRAINING = "start_training"
@@ -410,6 +621,20 @@ def build_rows(results: dict) -> list[dict]:
         "met?": "-" if billed["measured"] is None else ("yes" if billed["measured"] <= GOAL_BILLED else "NO"),
         "what the rest is spent on": figures.spent_on(billed.get("rest", {})),
     })
+    spot = results.get("spot")
+    spot_figure = f"VM billed time / workload time (Spot run, {results['args']['spot_preemptions']} preemptions)"
+    if spot is None:
+        rows.append({"figure": spot_figure, "measured": "not measured (--spot-preemptions 0)", "goal": "-", "met?": "-",
+                     "what the rest is spent on": "-"})
+    else:
+        rows.append({
+            "figure": spot_figure,
+            "measured": ratio(spot["measured"]) + (
+                f" ({spot['lifetime_seconds']:.1f} s / {spot['workload_seconds']:.1f} s)" if spot["measured"] else f" ({spot.get('why')})"),
+            "goal": "-",
+            "met?": "-",
+            "what the rest is spent on": spot_detail(spot),
+        })
     slots = results["worker_slots"]
     rows.append({
         "figure": "worker-slot-s held while training runs (all runs)",
@@ -562,6 +787,12 @@ def measure(args) -> dict:
 
         say(f"Cold run (image {image_name(args.cold_image)}; {args.steps} steps x {args.seconds_per_step} s) ...")
         cold = collect_run(airflow, cloud, trigger_and_wait(airflow, image_conf(args.cold_image), args.run_timeout, "cold run"))
+        spot = None
+        if args.spot_preemptions:
+            say(f"Spot run (image {image_name(args.cold_image)}, no reservation, a checkpoint every "
+                f"{spot_checkpoint_period(args.steps)} steps; its VM preempted after steps "
+                f"{', '.join(map(str, preempt_steps(args.steps, args.spot_preemptions)))}) ...")
+            spot = spot_run(airflow, cloud, args)
         if args.repeat_image == BAKED:
             say(f"Bake (MaxText installed on a VM of {image_name(args.cold_image)}, imaged into a family) ...")
             patient(lambda: airflow.get(f"/api/v2/dags/{BAKE_DAG_ID}"))  # parsed by now, with the job's DAG
@@ -584,12 +815,18 @@ def measure(args) -> dict:
                                   args.run_timeout * math.ceil(args.snapshots / args.capacity), "backfill")
             backfill_runs = [collect_run(airflow, cloud, run) for run in ended]
 
-        lives = figures.vm_lifetimes(cloud.requests(), compute_operations(cloud))
+        requests, operations = cloud.requests(), compute_operations(cloud)
+        lives = figures.vm_lifetimes(requests, operations)
         stretches = figures.running_intervals(event_logs(airflow))
+        # Not the Spot run: its recoveries' stretches on a worker (the new VM's steps) are no wait.
         every_run = [cold, *([repeat] if repeat else []), *backfill_runs]
         results.update({
-            "runs": every_run,
+            "runs": [*every_run, *([spot] if spot else [])],
             "vm_lifetimes": lives,
+            "spot": spot_billed_over_workload(
+                spot, figures.vm_lives(requests, operations, SPOT_SOFT_OFF_SECONDS).get(spot["vm_name"]),
+                args.seconds_per_step,
+            ) if spot else None,
             "vms_left": [vm["name"] for vm in cloud.vms()],
             "billed_over_workload": billed_over_workload(cold, lives.get(cold["vm_name"])),
             "billed_over_workload_repeat": billed_over_workload(repeat, lives.get(repeat["vm_name"])) if repeat else None,
@@ -625,6 +862,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat-image", default=BAKED,
                         help=f"PROJECT/FAMILY the repeat run boots, or '{BAKED}' (default): bake the cold run's image "
                         f"first (maxtext_sft_bake_image) and boot the baked family, or '{NO_REPEAT}': no repeat run")
+    parser.add_argument("--spot-preemptions", type=int, default=2,
+                        help="a Spot run whose VM is preempted this many times mid-training (0: no Spot run)")
     parser.add_argument("--parse-jobs", type=int, default=20, help="declared jobs in the parse-cost folder")
     parser.add_argument("--skip-parse-cost", action="store_true", help="leave the DAG processor figure out")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
@@ -632,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.capacity < 1 or args.snapshots < 0 or args.steps < 1 or args.seconds_per_step < 0:
         parser.error("--capacity and --steps must be >= 1, --snapshots and --seconds-per-step >= 0")
+    if args.spot_preemptions < 0 or (args.spot_preemptions and args.steps <= args.spot_preemptions):
+        parser.error("--spot-preemptions must be >= 0 and less than --steps (each after another step)")
     if args.cold_image == BAKED:
         parser.error(f"--cold-image {BAKED}: a bake needs a cold run's image to start from")
     for image in (args.cold_image, args.repeat_image):

@@ -145,3 +145,34 @@ def test_the_table_has_one_header_and_a_row_per_figure():
     lines = table.splitlines()
     assert len(lines) == 3 and lines[0].startswith("| figure") and "| NO " in lines[2]
     assert figures.spent_on({"boot": 3.0, "gaps": 10.25, "tiny": 0.01}) == "gaps 10.2 s, boot 3.0 s"
+
+
+def test_every_vm_of_a_preempted_spot_run_lives_from_its_insert_to_its_preemption_or_delete():
+    """A Spot VM preempted twice and made again under its name each time: three VMs. A preempted
+    one ends at its compute.instances.preempted operation plus the soft off (the cloud deletes it
+    with no delete operation); the last at its delete DONE. `vm_lifetimes` keeps only the last."""
+    requests = [insert_post("spot", 0.0, "r1"), insert_post("spot", 40.5, "r2"), insert_post("spot", 80.25, "r3"),
+                insert_post("other", 10.0, "r4")]
+    preempted = {"operationType": "compute.instances.preempted", "status": "DONE",
+                 "targetLink": "http://x/compute/v1/projects/p/zones/z/instances/spot"}
+    operations = [
+        operation("insert", "spot", 0.1, 5.0, "r1"),
+        {**preempted, "insertTime": at(30.0), "endTime": at(30.0)},
+        operation("insert", "spot", 40.6, 45.0, "r2"),
+        {**preempted, "insertTime": at(70.0), "endTime": at(70.0)},
+        operation("insert", "spot", 80.3, 85.0, "r3"),
+        operation("delete", "spot", 150.0, 151.5),
+        operation("insert", "other", 10.1, 11.0, "r4"),  # another VM, never deleted
+    ]
+    lives = figures.vm_lives(requests, operations, soft_off_seconds=1.0)
+    spot = lives["spot"]
+    assert [life["ended_by"] for life in spot] == ["preempted", "preempted", "delete"]
+    assert [life["start"] for life in spot] == [pytest.approx(epoch(s)) for s in (0.0, 40.5, 80.25)]
+    assert [life["end"] for life in spot] == [pytest.approx(epoch(e)) for e in (31.0, 71.0, 151.5)]
+    assert [life["seconds"] for life in spot] == [pytest.approx(s) for s in (31.0, 30.5, 71.25)]
+    assert spot[0]["preempted_at"] == pytest.approx(epoch(30.0)) and spot[2]["preempted_at"] is None
+    assert sum(life["seconds"] for life in spot) == pytest.approx(132.75)
+    assert lives["other"] == [{"start": pytest.approx(epoch(10.0)), "end": None, "seconds": None, "ended_by": None,
+                               "preempted_at": None}]
+    assert figures.vm_lifetimes(requests, operations)["spot"] == {
+        "start": pytest.approx(epoch(80.25)), "end": pytest.approx(epoch(151.5)), "seconds": pytest.approx(71.25)}
