@@ -205,17 +205,8 @@ MATRIX = [
         cause="already recreated its VM 1 time(s) (max_vm_recoveries=1)",
     ),
     # Capacity without a reservation (issue 31).
-    Fault(
-        "Spot VM preempted twice mid-training: resumes each time, preemptions counted apart",
-        conf={**SPOT_CONF, "max_vm_recoveries": 0},
-        maxtext=HELD_AT_STEP_5,
-        preempt_after="completed step: 4,",
-        preemptions=2,
-        spot_preemption=True,
-        recoveries=2,
-        durable=True,
-        outcome="success",
-    ),
+    # (A Spot run preempted twice that succeeds, and a flex-start request that waits in the queue
+    # and then trains: through the real scheduler, test_pipeline_capacity.py.)
     Fault(
         "Spot VM preempted more often than max_preemptions",
         conf={**SPOT_CONF, "max_preemptions": 1},
@@ -243,14 +234,6 @@ MATRIX = [
         durable=True,
         failed_task="create_vm",
         cause="had no machine for it",
-    ),
-    Fault(
-        "flex-start request queued 8 s (PENDING), then the VM trains",
-        conf=FLEX_START_CONF,
-        cloud={"flex_start_wait": {"seconds": 8}},
-        outcome="success",
-        log="The flex-start request got its machine after",
-        tries=1,
     ),
     Fault(
         "flex-start request expires without a machine: fails naming the expiry, nothing left",

@@ -108,7 +108,8 @@ class VmRecovery:
         elif made - taken >= spec.max_vm_recoveries:
             raise AirflowFailException(
                 f"{reason}, and this run has already recreated its VM {made - taken} time(s) "
-                f"(max_vm_recoveries={spec.max_vm_recoveries}; preemptions not counted): not recovering again"
+                f"(max_vm_recoveries={spec.max_vm_recoveries}): not recovering again"
+                + (f" (its {taken} preemption(s) not counted)" if taken else "")
             )
         if replace:
             self.remake.delete()
