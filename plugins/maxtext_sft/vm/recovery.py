@@ -60,7 +60,9 @@ class VmRecovery:
         return sum(1 for name in storage.names_under(self.spec.vm_recoveries_uri) if ledger_entry_number(name) is not None)
 
     def preemptions_counted(self) -> int:
-        """The ledger's entries that were preemptions."""
+        """The ledger's entries that were preemptions (each entry read: a Spot run's only)."""
+        if self.spec.capacity != "spot" or self.spec.rehearsal:
+            return 0
         storage = StorageEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
         names = [name for name in storage.names_under(self.spec.vm_recoveries_uri) if ledger_entry_number(name) is not None]
         return sum(
@@ -68,15 +70,15 @@ class VmRecovery:
             if json.loads(storage.read_text(f"{self.spec.vm_recoveries_uri}/{name}")).get("preempted")
         )
 
-    def preemption(self) -> dict | None:
+    def preemption(self, counted: int | None = None) -> dict | None:
         """The newest `compute.instances.preempted` operation of the run's VM name that the ledger
-        has not counted yet (each preemption is counted once, oldest first), or None: the loss was
-        no preemption. Only a Spot VM is preempted."""
+        has not counted yet (`counted`: its preemptions, read if not given; each preemption is
+        counted once, oldest first), or None: the loss was no preemption. Only a Spot VM is preempted."""
         if self.spec.capacity != "spot" or self.spec.rehearsal:
             return None
         hook = ComputeEngineEndpointHook(gcp_conn_id=self.connections["gcp_conn_id"])
         found = hook.preemptions(resource_id=self.spec.vm_name, zone=self.spec.zone, project_id=self.spec.project_id)
-        counted = self.preemptions_counted()
+        counted = self.preemptions_counted() if counted is None else counted
         return found[-1] if len(found) > counted else None
 
     def recover(
@@ -96,8 +98,8 @@ class VmRecovery:
                 "cannot resume; set output_location to make a lost VM recoverable"
             )
         made = self.count()
-        preempted = self.preemption()
-        taken = self.preemptions_counted() if spec.capacity == "spot" else 0
+        taken = self.preemptions_counted()  # the ledger read once for both
+        preempted = self.preemption(counted=taken)
         if preempted is not None:
             reason = f"{reason}; the cloud preempted the Spot VM at {preempted.get('insertTime', '?')}"
             if taken >= spec.max_preemptions:
