@@ -8,6 +8,7 @@ escape sequences) raised as errors."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import warnings
 
@@ -51,18 +52,21 @@ def dotted_names(tree: ast.AST) -> set[str]:
     return names
 
 
-def _compile_to_ast(path):
-    # No cyclic collection inside compile(): it would run earlier tests' finalizers there (an unclosed
-    # socket's ResourceWarning, an error under this filter, goes to pytest's unraisable hook, whose
-    # traceback formatting parses source with ast again), and 3.11's AST constructor, whose depth
-    # counter is shared, then fails with "SystemError: AST constructor recursion depth mismatch"
-    # (pytest-dev/pytest#10763, python/cpython#106905). Seen in CI at 534bb45.
+@contextlib.contextmanager
+def no_cyclic_collection():
+    """No cyclic collection inside compile(): it would run earlier tests' finalizers there (an
+    unclosed socket's ResourceWarning, an error under the check's filter, goes to pytest's
+    unraisable hook, whose traceback formatting parses source with ast again), and 3.11's AST
+    constructor, whose depth counter is shared, then fails with "SystemError: AST constructor
+    recursion depth mismatch" (pytest-dev/pytest#10763, python/cpython#106905). Seen in CI at
+    534bb45. One collection first, outside the filter; each one in a worker that has imported
+    Airflow costs ~0.4 s, so not one per file (55 s a run, when it was)."""
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         gc.collect()
     gc.disable()
     try:
-        return compile(path.read_text(), str(path), "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        yield
     finally:
         gc.enable()
 
@@ -73,19 +77,20 @@ def test_the_sources_are_found():
 
 def test_nothing_python_3_12_or_3_13_removed_is_used():
     offences = {}
-    for path in SOURCES:
-        with warnings.catch_warnings():
-            # 3.11's DeprecationWarning for an invalid escape is 3.12's SyntaxWarning; as an
-            # error, the compiler raises it as a SyntaxError.
-            warnings.simplefilter("error")
-            try:
-                tree = _compile_to_ast(path)
-            except SyntaxError as error:
-                offences[path.relative_to(REPO)] = str(error)
-                continue
-        used = sorted((imported_modules(tree) & REMOVED_MODULES) | (dotted_names(tree) & REMOVED_NAMES))
-        if used:
-            offences[path.relative_to(REPO)] = used
+    with no_cyclic_collection():
+        for path in SOURCES:
+            with warnings.catch_warnings():
+                # 3.11's DeprecationWarning for an invalid escape is 3.12's SyntaxWarning; as an
+                # error, the compiler raises it as a SyntaxError.
+                warnings.simplefilter("error")
+                try:
+                    tree = compile(path.read_text(), str(path), "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+                except SyntaxError as error:
+                    offences[path.relative_to(REPO)] = str(error)
+                    continue
+            used = sorted((imported_modules(tree) & REMOVED_MODULES) | (dotted_names(tree) & REMOVED_NAMES))
+            if used:
+                offences[path.relative_to(REPO)] = used
     assert offences == {}
 
 

@@ -8,6 +8,7 @@ fresh interpreter and looks at which modules the parse itself imported.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -52,6 +53,7 @@ print(json.dumps({"dag_id": namespace["dag"].dag_id, "imported": sorted(set(sys.
 """
 
 
+@functools.cache  # a file's parse in a role is read by several tests (each a fresh interpreter, ~7 s)
 def parse(file_name: str, role: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO / "plugins"),
            "AIRFLOW__DAG_PROCESSOR__PARSING_PRE_IMPORT_MODULES": "True"}

@@ -15,9 +15,9 @@ from huggingface_hub import HfApi, ModelCard
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
 from tests.conftest import REPO
-from tests.dags.conftest import wait_for_run_end, wait_until
+from tests.dags.conftest import REAL_MAXTEXT_TIMEOUT, wait_for_run_end, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
+pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext, pytest.mark.timeout(REAL_MAXTEXT_TIMEOUT)]
 STEPS = 4  # each step saves a checkpoint to gs:// (several checkpoints, as a real run makes)
 
 @pytest.fixture(scope="module")

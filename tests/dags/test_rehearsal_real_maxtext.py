@@ -10,10 +10,10 @@ import pytest
 from localcloud.connections import LOCAL_REHEARSAL_CONF, REHEARSAL_IMAGE_KEY
 from localcloud.images import build_fast_image, build_real_image
 from maxtext_sft.results.rehearsal import CHECKS, PASSED
-from tests.dags.conftest import REAL_MAXTEXT_DAG_TEST_CONF
+from tests.dags.conftest import REAL_MAXTEXT_DAG_TEST_CONF, REAL_MAXTEXT_TIMEOUT
 from tests.plugins.test_rehearsal import differences
 
-pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext]
+pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext, pytest.mark.timeout(REAL_MAXTEXT_TIMEOUT)]
 
 # The insert body's fields (REST names) in which a rehearsal differs from the real run
 # (compute_body.REHEARSAL_FIELDS, as the client library sends them)...
