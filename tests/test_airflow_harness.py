@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -45,15 +44,16 @@ def group_alive(pgid: int) -> bool:
 
 
 @pytest.fixture
-def database(postgres_server):
-    name = f"harness_{uuid.uuid4().hex[:8]}"
-    url = postgres_server.create_database(name)
+def database(postgres_server, migrated_database):
+    """A copy of the migrated template: the harness's own `airflow db migrate` (about 25 s of CPU)
+    runs in the bench's smoke run (tests/bench/test_bench_run.py) and `make run`."""
+    name, url = migrated_database("harness")
     yield url
     postgres_server.drop_database(name)
 
 
 def test_the_scheduler_can_be_killed_alone_and_stop_leaves_nothing(tmp_path, database):
-    airflow = Airflow(tmp_path / "airflow-home", dict(os.environ), database_url=database)
+    airflow = Airflow(tmp_path / "airflow-home", dict(os.environ), database_url=database, database_migrated=True)
     try:
         started = time.monotonic()
         airflow.start()

@@ -2,8 +2,8 @@
 by the DAG processor's parent once (the airflow.* modules a DAG file names itself, which it
 imports before it forks each parse) or by the tasks that use them, never by each parse.
 
-Nothing is timed here (bench/dag_parse.py measures the seconds): each test parses a DAG file in a
-fresh interpreter and looks at which modules the parse itself imported.
+Nothing is timed here (bench/dag_parse.py measures the seconds): each test reads which modules a
+DAG file's parse itself imported, in a fresh process.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,37 +33,59 @@ PIPELINE_DAG_FILES = sorted(
 DAG_FILES = sorted(path.name for path in (REPO / "dags").glob("*.py"))
 ASSET_HANDLER = re.compile(r"airflow\.providers\.[a-z_.]+\.(assets(\.[a-z_]+)?|version_compat)$")
 
-# Parses argv[1] as the DAG processor's child (argv[2] == "processor": after the parent's
-# pre-import, Airflow's own function; then it serializes the DAG, as the child does before it
-# sends the result) or as a task runner does (only the Task SDK loaded first), and prints the
-# modules the parse itself imported.
+# Parses each file in argv[2:] as the DAG processor's child (argv[1] == "processor": after the
+# parent's pre-import, Airflow's own function; then it serializes the DAG, as the child does before
+# it sends the result) or as a task runner does (only the Task SDK loaded first), and prints the
+# modules each parse itself imported. As the DAG processor does, the role's modules are imported
+# once and each parse runs in a child forked from there: the parse's own imports are measured
+# in a fresh process at the cost of a fork, not of an interpreter start (~5 s of CPU each).
 PROBE = """
-import json, runpy, sys
+import json, os, runpy, sys, traceback
 import structlog
 import airflow.sdk, airflow.sdk.execution_time.task_runner
-path, role = sys.argv[1], sys.argv[2]
+role, paths = sys.argv[1], sys.argv[2:]
 if role == "processor":
     from airflow.dag_processing.processor import _pre_import_airflow_modules
     from airflow.serialization.serialized_objects import DagSerialization
-    _pre_import_airflow_modules(path, structlog.get_logger())
-before = set(sys.modules)
-namespace = runpy.run_path(path)
-if role == "processor":
-    DagSerialization.to_dict(namespace["dag"])
-print(json.dumps({"dag_id": namespace["dag"].dag_id, "imported": sorted(set(sys.modules) - before)}))
+failed = []
+for path in paths:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if role == "processor":
+                _pre_import_airflow_modules(path, structlog.get_logger())
+            before = set(sys.modules)
+            namespace = runpy.run_path(path)
+            if role == "processor":
+                DagSerialization.to_dict(namespace["dag"])
+            imported = sorted(set(sys.modules) - before)
+            print("PARSED " + json.dumps({"path": path, "dag_id": namespace["dag"].dag_id, "imported": imported}), flush=True)
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    if os.waitpid(pid, 0)[1] != 0:
+        failed.append(path)
+sys.exit(f"parse failed: {failed}" if failed else 0)
 """
 
 
-@functools.cache  # a file's parse in a role is read by several tests (each a fresh interpreter, ~7 s)
-def parse(file_name: str, role: str) -> dict:
+@functools.cache  # one probe per role parses every DAG file; several tests read each parse
+def parses(role: str) -> dict[str, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "plugins"),
            "AIRFLOW__DAG_PROCESSOR__PARSING_PRE_IMPORT_MODULES": "True"}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, str(REPO / "dags" / file_name), role],
+        [sys.executable, "-c", PROBE, role, *(str(REPO / "dags" / name) for name in DAG_FILES)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    found = [json.loads(line.removeprefix("PARSED ")) for line in done.stdout.splitlines() if line.startswith("PARSED ")]
+    return {Path(parsed["path"]).name: parsed for parsed in found}
+
+
+def parse(file_name: str, role: str) -> dict:
+    return parses(role)[file_name]
 
 
 def heavy_among(modules: list[str], packages: tuple[str, ...]) -> list[str]:
