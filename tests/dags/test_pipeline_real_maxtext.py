@@ -39,7 +39,7 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     # The waits are checked every 5 s: they are deferred, so a check is an SSH call in the
     # triggerer, not a task process beside MaxText (when they were, 30 s: 23 checks of ~5.5 s each).
     run_id = airflow.trigger({**real_maxtext_run_conf(real_image, steps=STEPS, outputs=True), "poke_interval_seconds": 5})
-    run = wait_for_run_end(airflow, run_id, timeout=1200)
+    run = wait_for_run_end(airflow, run_id, timeout=1500)
     assert run["state"] == "success", airflow.task_states(run_id)
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == STEPS
     # MaxText's own eval loop measured the base model before the first step and the tuned model
