@@ -333,6 +333,11 @@ class Airflow:
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "false",
             "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
             "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
+            # A DAG file's parse may take longer than Airflow's 30 s on two cores that a whole test
+            # suite shares: CI saw a declared job's file (0.12 s when quiet) time out at 31 s, and its
+            # retry 30 s later came after the test's start-up bound. The DAG files are this repo's.
+            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "150",
+            "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "180",
             # One secret for every component: the api-server checks the tokens the scheduler
             # signs for task runners.
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(64),

@@ -18,7 +18,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from localcloud.connections import LOCAL_RUN_CONF
 from localcloud.smtp import MailReceiver, body_text
 from localcloud.webhook import WebhookReceiver
-from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end
+from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
 from tests.dags.test_trigger_form import ARTIFACTS, UI_TIMEOUT, chromium, save_artifact
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +60,8 @@ def failed_runs(tmp_path_factory, pipeline_connections, postgres_server, migrate
         ) as airflow:
             runs = {}
             for dag_id in JOBS:  # a declared job is created paused
+                # Airflow's start waited for the first job's DAG only; the other file may parse later.
+                wait_until(lambda: airflow.get(f"/api/v2/dags/{dag_id}", missing_ok=True), 300, f"{dag_id} parsed")  # noqa: B023
                 airflow.request("PATCH", f"/api/v2/dags/{dag_id}?update_mask=is_paused", {"is_paused": False})
                 runs[dag_id] = airflow.trigger({}, dag_id=dag_id)
             ended = {dag_id: wait_for_run_end(airflow, run_id, timeout=300, dag_id=dag_id) for dag_id, run_id in runs.items()}
