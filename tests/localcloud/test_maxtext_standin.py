@@ -195,7 +195,7 @@ def test_stall_keeps_the_process_alive_and_silent(mt):
         seen = []
         selector = selectors.DefaultSelector()
         selector.register(proc.stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # 60 s ran out in CI under load (1adf227)
         while "completed step: 3," not in "".join(seen):
             assert time.monotonic() < deadline, "step 3 was never logged:\n" + "".join(seen)
             if selector.select(timeout=1):
