@@ -335,7 +335,7 @@ class Airflow:
             "AIRFLOW__CORE__UNIT_TEST_MODE": "false",
             # A DAG file's parse may take longer than Airflow's 30 s on two cores that a whole test
             # suite shares: CI saw a declared job's file (0.12 s when quiet) time out at 31 s, and its
-            # retry 30 s later came after the test's start-up bound. The DAG files are this repo's.
+            # retry 30 s later came after a test had asked for that DAG. The DAG files are this repo's.
             "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "150",
             "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "180",
             # One secret for every component: the api-server checks the tokens the scheduler
