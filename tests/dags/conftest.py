@@ -163,6 +163,20 @@ def wait_for_run_end(airflow, run_id: str, timeout: float = 240, dag_id: str | N
     return wait_until(ended, timeout, "the run to end")
 
 
+# What every test's Airflow runs with, unless the test sets its own:
+AIRFLOW_TEST_SETTINGS = {
+    # An event of a deferral a worker made waits out the executor's report of that deferral
+    # (apache/airflow#72716): by default 60 s, which a run of the stand-in (a training of seconds)
+    # sat out after its training and after each recovery. 10 s is twice what the recovery and
+    # capacity tests have passed with beside the whole suite.
+    "AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "10",
+    # A test's DAG files do not change: re-parsed every 2 minutes, not 30 s (1.75 CPU-s a minute
+    # of each Airflow's life, measured). A first parse that timed out on a loaded machine (with
+    # the harness's 150 s for a parse) is still retried within the waits of the tests for it.
+    "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "120",
+}
+
+
 # At a test's end nothing waits on Airflow's graceful exit (measured: 13 s for the scheduler,
 # dag-processor and triggerer, 6 s more for the api-server): what is still up after this is killed,
 # with the task runners it left. tests/test_airflow_harness.py checks the graceful stop itself.
@@ -171,13 +185,10 @@ TEARDOWN_STOP_GRACE_SECONDS = 3
 
 @contextlib.contextmanager
 def airflow_on_fresh_database(home, env: dict, postgres_server, migrated_database, prefix="scheduler", **options):
-    """Airflow started on a fresh copy of the migrated database; stopped, and the copy dropped, at exit.
-
-    The DAG processor keeps re-parsing every 30 s (Airflow's default), though a test's DAG files do
-    not change: a longer interval saves 1.75 s of CPU a minute, but a first parse that times out on
-    a loaded machine is then not retried for that long (seen, with 10 minutes)."""
+    """Airflow started on a fresh copy of the migrated database, with AIRFLOW_TEST_SETTINGS under
+    `env`; stopped, and the copy dropped, at exit."""
     database, url = migrated_database(prefix)
-    instance = Airflow(home, env, database_url=url, database_migrated=True, **options)
+    instance = Airflow(home, {**AIRFLOW_TEST_SETTINGS, **env}, database_url=url, database_migrated=True, **options)
     try:
         instance.start()
         yield instance

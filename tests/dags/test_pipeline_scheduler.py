@@ -27,45 +27,49 @@ from tests.dags.conftest import wait_for_run_end, wait_for_training_watched, wai
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("backstop", ["cloud lifetime", "janitor command"])
-def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud, backstop):
-    """SIGKILL the scheduler mid-training and never restart it: the VM must still go, by its
-    maxRunDuration, or (lifetime left to Airflow) by the janitor command alone."""
+def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
+    """SIGKILL the scheduler mid-training of two runs and never restart it: each VM must still go,
+    one by its maxRunDuration (the cloud's lifetime), the other (its lifetime left to Airflow) by
+    the janitor command alone. One Airflow for both: the backstops act on each run's own VM."""
     from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 
     lifetime = 60
-    conf = {
-        **LOCAL_RUN_CONF,
-        "steps": 50,
-        "max_run_duration_minutes": lifetime // 60,
-        "cloud_enforced_lifetime": backstop == "cloud lifetime",
-    }
+    conf = {**LOCAL_RUN_CONF, "steps": 50, "max_run_duration_minutes": lifetime // 60}
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 3}}))
     try:
-        run_id = airflow.trigger(conf)
-        wait_for_training_watched(airflow, run_id)
+        by_cloud = airflow.trigger({**conf, "cloud_enforced_lifetime": True})
+        by_janitor = airflow.trigger({**conf, "cloud_enforced_lifetime": False})
+        for run_id in (by_cloud, by_janitor):
+            wait_for_training_watched(airflow, run_id)
         airflow.kill_scheduler()
-        [vm] = local_cloud.vms()
-        started = time.time()  # at most this long after the VM started: its lifetime ends <= started + lifetime
-        expires = int(_instance_label(vm["name"], "expires-at"))
-        if backstop == "cloud lifetime":
-            # Compute Engine may act up to 30 s late; the local cloud acts within a second or two.
-            wait_until(lambda: local_cloud.vms() == [], lifetime + 35, "the VM's lifetime to delete it")
-            assert time.time() <= started + lifetime + 35
-        else:
-            wait_until(lambda: time.time() > expires + 1, lifetime + 10, "the VM's expiry to pass")
-            assert len(local_cloud.vms()) == 1  # nothing else removes it: no scheduler, no cloud lifetime
-            result = subprocess.run(
-                [sys.executable, "-m", "maxtext_sft.tasks.janitor", "--project", LOCAL_PROJECT],
-                capture_output=True, text=True, timeout=120,
-                env={**os.environ, "PYTHONPATH": str(REPO / "plugins")},
-            )
-            assert result.returncode == 0, result.stderr
-            assert "its lifetime ended" in result.stderr
-            assert local_cloud.vms() == []
+        started = time.time()  # at most this long after each VM started: its lifetime ends <= started + lifetime
+        vm_of = {run_id: _vm_name(airflow, run_id) for run_id in (by_cloud, by_janitor)}
+        assert {vm["name"] for vm in local_cloud.vms()} == set(vm_of.values())
+        expires = int(_instance_label(vm_of[by_janitor], "expires-at"))
+
+        # Compute Engine may act up to 30 s late; the local cloud acts within a second or two.
+        cloud_deleted = lambda: vm_of[by_cloud] not in {vm["name"] for vm in local_cloud.vms()}  # noqa: E731
+        wait_until(cloud_deleted, lifetime + 35, "the VM's lifetime to delete it")
+        assert time.time() <= started + lifetime + 35
+
+        wait_until(lambda: time.time() > expires + 1, lifetime + 10, "the other VM's expiry to pass")
+        # Nothing else removes it: no scheduler, no cloud lifetime.
+        assert [vm["name"] for vm in local_cloud.vms()] == [vm_of[by_janitor]]
+        result = subprocess.run(
+            [sys.executable, "-m", "maxtext_sft.tasks.janitor", "--project", LOCAL_PROJECT],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO / "plugins")},
+        )
+        assert result.returncode == 0, result.stderr
+        assert "its lifetime ended" in result.stderr and vm_of[by_janitor] in result.stderr, result.stderr
+        assert local_cloud.vms() == []
         assert not airflow.running("scheduler")
     finally:
         local_cloud.set_vm_file("maxtext-faults.json", "{}")
+
+
+def _vm_name(airflow, run_id: str) -> str:
+    return wait_until(lambda: (airflow.xcom(run_id, "plan_run", "spec") or {}).get("vm_name"), 60, "the run's spec")
 
 
 def _instance_label(name: str, key: str) -> str:
