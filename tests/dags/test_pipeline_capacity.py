@@ -15,35 +15,43 @@ from tests.dags.conftest import wait_for_run_end, wait_until
 pytestmark = pytest.mark.e2e
 
 
-# The triggers' first event after 5 s, not 60, and the queue read every 2 s: each recovery's and the
-# queue's waits are the cloud's, not the polls'.
-@pytest.mark.airflow_config(
-    {"AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "5", "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2"}
-)
-def test_a_queued_flex_start_run_and_a_twice_preempted_spot_run_both_succeed_leaving_nothing(airflow, local_cloud):
-    """Without a reservation, two runs at once (issue 31): a flex-start request queued 20 s, its
-    create_vm deferred while the instance is PENDING, then trained; and a Spot run preempted twice
+# The queue read every 2 s (the triggers' first events after the tests' 10 s, not 60): each
+# recovery's and the queue's waits are the cloud's, not the polls'.
+@pytest.mark.airflow_config({"AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2"})
+def test_flex_start_and_spot_runs_wait_deferred_resume_after_preemptions_and_leave_nothing(airflow, local_cloud):
+    """Without a reservation (issue 31), three runs at once: a flex-start request queued 20 s, its
+    create_vm deferred while the instance is PENDING, then trained; a Spot run preempted twice
     mid-training (the cloud's preempted operation, a soft off, the VM deleted), which resumes each
-    time from its last checkpoint, counted as preemptions, not as lost VMs."""
+    time from its last checkpoint, counted as preemptions, not as lost VMs; and a flex-start
+    request that expires in the queue, which fails naming the expiry. Then a Spot run whose insert
+    meets the zone's stockout twice waits deferred and runs."""
     from localcloud.connections import LOCAL_RUN_CONF
     from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
     from maxtext_sft.run.spec import RunSpec
     from tests.dags.test_fault_matrix import training_logged
 
-    fault_tally.fault_injected()
+    for _ in ("Spot preemptions", "the flex-start expiry", "the Spot stockouts"):
+        fault_tally.fault_injected()
     bucket = "scheduler-capacity"
     local_cloud.create_bucket(bucket, exist_ok=True)
     compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
     no_reservation = {**LOCAL_RUN_CONF, "reservation": None, "poke_interval_seconds": 2}
     # Holds a training after step 4 until the faults are lifted; the flex-start run's 4 steps end first.
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 5}}))
-    local_cloud.set_faults({"flex_start_wait": {"seconds": 20}})
+    # The expiring request's VM has a name of its own, so that its rule is its own.
+    expiring_prefix = "flex-expiring"
+    local_cloud.set_faults({"flex_start_wait": [
+        {"seconds": 20, "name_regex": "^maxtext-sft-"},
+        {"seconds": 6, "expires": True, "name_regex": f"^{expiring_prefix}-"},
+    ]})
     try:
         spot_run = airflow.trigger({
             **no_reservation, "capacity": "spot", "steps": 8, "checkpoint_period": 3, "max_vm_recoveries": 0,
             "output_location": f"gs://{bucket}/{time.time_ns()}",
         })
         flex_run = airflow.trigger({**no_reservation, "capacity": "flex-start", "flex_start_valid_minutes": 2, "steps": 4})
+        expiring_run = airflow.trigger({**no_reservation, "capacity": "flex-start", "flex_start_valid_minutes": 2,
+                                        "steps": 4, "vm_name_prefix": expiring_prefix})
         flex = RunSpec.from_dict(wait_until(lambda: airflow.xcom(flex_run, "plan_run", "spec"), 120, "the flex-start spec"))
         # (create_vm starts on the triggerer, which hands a run without a reservation straight back.)
         flex_status = lambda: compute.instance_status(flex.vm_name, zone=flex.zone, project_id=flex.project_id)  # noqa: E731
@@ -64,12 +72,33 @@ def test_a_queued_flex_start_run_and_a_twice_preempted_spot_run_both_succeed_lea
                        60, f"preemption {preemption} to delete the VM")
         local_cloud.set_vm_file("maxtext-faults.json", "{}")  # the third VM trains to the end
         finals = {run: wait_for_run_end(airflow, run, timeout=420) for run in (flex_run, spot_run)}
+        expired = wait_for_run_end(airflow, expiring_run, timeout=300)
+
+        # The zone is out of Spot machines for the next two inserts (on their operations).
+        local_cloud.set_faults({"insert_fails_after_accept": {"preset": "zone_resource_pool_exhausted", "count": 2}})
+        stockout_run = airflow.trigger({**no_reservation, "capacity": "spot", "steps": 4,
+                                        "output_location": f"gs://{bucket}/{time.time_ns()}"})
+        stocked_out = wait_for_run_end(airflow, stockout_run, timeout=420)
     finally:
         local_cloud.set_vm_file("maxtext-faults.json", "{}")
         local_cloud.set_faults({})
     for run, final in finals.items():
         assert final["state"] == "success", airflow.task_states(run)
-    leaked = [vm for vm in local_cloud.vms() if vm["name"] in (flex.vm_name, spot.vm_name)]
+    # The expired request: create_vm failed naming the expiry, and its instance is gone.
+    assert expired["state"] == "failed", airflow.task_states(expiring_run)
+    assert airflow.task_states(expiring_run)["create_vm"] == "failed"
+    expiry_log = json.dumps(airflow.task_log(expiring_run, "create_vm"))
+    fault_tally.failed_run(expiry_log, "expired after")
+    assert "expired after" in expiry_log, expiry_log[-3000:]
+    expiring = RunSpec.from_dict(airflow.xcom(expiring_run, "plan_run", "spec"))
+    assert compute.instance_status(expiring.vm_name, zone=expiring.zone, project_id=expiring.project_id) is None
+    # The stockouts were waited out deferred, within create_vm's first try.
+    assert stocked_out["state"] == "success", airflow.task_states(stockout_run)
+    create_log = json.dumps(airflow.task_log(stockout_run, "create_vm"))
+    assert "Asking for the VM again after the zone's stockout" in create_log, create_log[-3000:]
+    assert airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{stockout_run}/taskInstances/create_vm")["try_number"] == 1
+    stockout = RunSpec.from_dict(airflow.xcom(stockout_run, "plan_run", "spec"))
+    leaked = [vm for vm in local_cloud.vms() if vm["name"] in (flex.vm_name, spot.vm_name, expiring.vm_name, stockout.vm_name)]
     fault_tally.vms_left(leaked)
     assert leaked == []
     flex_summary = airflow.xcom(flex_run, "summarize_run")

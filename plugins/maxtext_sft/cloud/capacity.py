@@ -175,6 +175,13 @@ class ReservationCapacityTrigger(BaseTrigger):
                 return
 
 
+def stockout_pause(poll_seconds: float, first_read_seconds: float) -> float:
+    """How long a task deferred through a stockout waits before asking again: the poll, but no
+    less than the first read after any deferral a worker made, which waits out the executor's
+    report of it (apache/airflow#72716)."""
+    return max(float(poll_seconds), float(first_read_seconds))
+
+
 class StockoutWaitTrigger(BaseTrigger):
     """Wait `wait_seconds` (or until `deadline`, if sooner) before an insert the zone refused for
     lack of capacity is asked again: a run with no reservation has nothing to read that says

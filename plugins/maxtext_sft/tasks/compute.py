@@ -36,6 +36,7 @@ from maxtext_sft.cloud.capacity import (
     QueuedInsertTrigger,
     ReservationCapacityTrigger,
     StockoutWaitTrigger,
+    stockout_pause,
 )
 
 # How long past a flex-start request's validity its wait goes on before the task gives up on the
@@ -74,7 +75,8 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
 
     Without a reservation (`waits_out_stockouts`: Spot, flex-start, on demand), a zone's stockout
     is waited out the same way: deferred to StockoutWaitTrigger, the insert asked again every
-    `capacity_poll_seconds`, up to `max_capacity_wait_minutes` from the first refusal.
+    `capacity_poll_seconds` (no sooner than `capacity_first_read_seconds`: stockout_pause), up to
+    `max_capacity_wait_minutes` from the first refusal.
 
     Flex-start (`queue_minutes`, its request's validity): the insert's operation stays RUNNING while
     the request waits in Compute Engine's queue, the instance PENDING; the task inserts without
@@ -302,18 +304,20 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         )
 
     def _wait_out_stockout(self, deadline: float | None, refusal: str) -> NoReturn:
-        """Defer, then ask for the VM again (no reservation to read): fail once the deadline has passed."""
+        """Defer, then ask for the VM again (no reservation to read): fail once the deadline has passed.
+        Each ask is a deferral of its own, so its pause also waits out the executor's report of it
+        (capacity_first_read_seconds, apache/airflow#72716): under the real scheduler a 2 s pause
+        lost a try that had just made the VM (its retry adopted it)."""
         if deadline is None:
             deadline = time.time() + float(self.max_capacity_wait_minutes) * 60
         if time.time() >= deadline:
             raise AirflowFailException(f"{self._gave_up(None, deadline)}; the cloud's last refusal: {refusal}")
+        pause = stockout_pause(self.capacity_poll_seconds, self.capacity_first_read_seconds)
         self.log.info(
             "Waiting (deferred, no worker slot) %.0f s before asking again, at most until %s",
-            self.capacity_poll_seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
+            pause, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline)),
         )
-        self.defer(
-            trigger=StockoutWaitTrigger(deadline, self.capacity_poll_seconds), method_name="resume_after_capacity_wait"
-        )
+        self.defer(trigger=StockoutWaitTrigger(deadline, pause), method_name="resume_after_capacity_wait")
 
     def _gave_up(self, count: int | None, deadline: float) -> str:
         limit = float(self.max_capacity_wait_minutes)

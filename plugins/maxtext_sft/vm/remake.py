@@ -24,7 +24,7 @@ from maxtext_sft.cloud.errors import Action, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.cloud.instances import adoptable_instance, with_expiry_label
 from maxtext_sft.run.spec import RunSpec
-from maxtext_sft.cloud.capacity import ReservationCapacityTrigger, StockoutWaitTrigger
+from maxtext_sft.cloud.capacity import ReservationCapacityTrigger, StockoutWaitTrigger, stockout_pause
 from maxtext_sft.vm.access import SshLoginProbe, start_autostop
 
 SSH_WAIT_SECONDS = 600  # as long as wait_for_ssh waits for the first VM
@@ -108,7 +108,9 @@ class VmRemake:
         caller's retries take it)."""
         spec = self.spec
         if not spec.consumed_reservation:
-            return StockoutWaitTrigger(deadline, poll_seconds) if spec.waits_out_stockouts else None
+            if not spec.waits_out_stockouts:
+                return None
+            return StockoutWaitTrigger(deadline, stockout_pause(poll_seconds, first_read_seconds))
         return ReservationCapacityTrigger(
             project_id=spec.project_id,
             zone=spec.zone,
