@@ -1,23 +1,49 @@
-"""Capacity without a reservation (docs/capacity.md) under Airflow's real scheduler: a queued
-flex-start request and a Spot run's preemptions. A file of its own, so that its minutes run beside
-the scheduler file's on another worker (tests/conftest.py deals out files)."""
+"""Waits for capacity under Airflow's real scheduler, on one Airflow deployed as on Cloud Composer
+3: capacity without a reservation (docs/capacity.md), a queued flex-start request and a Spot run's
+preemptions, and a recovery while the reservation is full. A file of its own, so that its minutes
+run beside the scheduler file's on another worker (tests/conftest.py deals out files)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
+from tests.conftest import REPO
 from tests.dags import fault_tally
-from tests.dags.conftest import wait_for_run_end, wait_until
+from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
 
 pytestmark = pytest.mark.e2e
 
 
-# The queue read every 2 s (the triggers' first events after the tests' 10 s, not 60): each
-# recovery's and the queue's waits are the cloud's, not the polls'.
-@pytest.mark.airflow_config({"AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2"})
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, wheel_site):
+    """One Airflow for this file's runs, deployed as on Cloud Composer 3: every component has the
+    installed wheel and the DAG files, and nothing from plugins/ (an empty plugins folder, plugins/
+    not on the path), so create_vm's start, the training's wait and the capacity waits run on a
+    triggerer that has the package only as an installed distribution; the declared jobs' folder is
+    named by MAXTEXT_SFT_JOBS_DIR (Composer's mounted data/ folder, say). The capacity is read
+    every 2 s (the triggers' first events after the tests' 10 s, not 60): each recovery's and the
+    queue's waits are the cloud's, not the polls'."""
+    env = {
+        **os.environ, **pipeline_connections,
+        "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
+        "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
+    }
+    home = tmp_path_factory.mktemp("airflow-home")
+    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, installed_package=wheel_site) as instance:
+        yield instance
+
+
+def test_the_package_is_loaded_from_the_installed_wheel_only(airflow):
+    assert airflow.get("/api/v2/importErrors")["total_entries"] == 0
+    sources = {p["name"]: p["source"] for p in airflow.get("/api/v2/plugins")["plugins"]}
+    assert {"maxtext_sft", "maxtext_sft_run_notes"} <= set(sources), sources
+    assert all("maxtext-sft-airflow" in sources[name] for name in ("maxtext_sft", "maxtext_sft_run_notes")), sources
+
+
 def test_flex_start_and_spot_runs_wait_deferred_resume_after_preemptions_and_leave_nothing(airflow, local_cloud):
     """Without a reservation (issue 31), three runs at once: a flex-start request queued 20 s, its
     create_vm deferred while the instance is PENDING, then trained; a Spot run preempted twice
@@ -108,3 +134,76 @@ def test_flex_start_and_spot_runs_wait_deferred_resume_after_preemptions_and_lea
     # Each VM was held after step 4 and resumed from the checkpoint of step 3: less than a period lost.
     assert all(row["preempted"] and row["resumes_after_step"] == 3 and row["steps_lost"] in (None, 0, 1)
                for row in spot_summary["recoveries"]), spot_summary["recoveries"]
+
+
+def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_worker_slot(airflow, local_cloud):
+    """The VM is deleted mid-training (durable checkpoints) and another run takes the freed
+    machine. The training sensor finds the VM gone and the reservation full: it defers to the
+    capacity trigger (the scheduler's task state says deferred) until the machine comes back, then
+    recreates the VM and resumes. bench/recovery_slots.py measures, from Airflow's event log and
+    the run's ledger, the worker-slot-seconds held while it waited: none. On this file's Airflow
+    (as on Composer 3), the capacity wait runs on a triggerer that has the package only as an
+    installed wheel."""
+    from bench.recovery_slots import AirflowApi, measure, report
+    from localcloud.connections import LOCAL_PROJECT, LOCAL_RESERVATION_COUNT, LOCAL_RUN_CONF, LOCAL_ZONE
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+    from maxtext_sft.run.spec import RunSpec
+    from tests.dags.test_fault_matrix import training_logged
+
+    fault_tally.fault_injected()
+    reservation = LOCAL_RUN_CONF["reservation"]
+    bucket = "scheduler-recovery"
+    local_cloud.create_bucket(bucket, exist_ok=True)
+    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    blocker = None
+    local_cloud.add_reservation(reservation, 1, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 5}}))
+    try:
+        run_id = airflow.trigger({
+            **LOCAL_RUN_CONF, "steps": 8, "checkpoint_period": 2, "poke_interval_seconds": 2,
+            "output_location": f"gs://{bucket}/{time.time_ns()}",
+        })
+        spec = RunSpec.from_dict(wait_until(lambda: airflow.xcom(run_id, "plan_run", "spec"), 120, "the run's spec"))
+        wait_until(lambda: any(training_logged(local_cloud, vm, "completed step: 4,") for vm in local_cloud.vms()),
+                   300, "step 4 of the training")
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")  # the resumed training runs to its end
+        local_cloud.terminate_vm(spec.vm_name, "DELETE")
+        blocker = f"{spec.vm_name}-other"  # another run takes the machine
+        compute.insert_instance(body={**spec.instance_body(), "name": blocker}, zone=spec.zone, project_id=spec.project_id)
+
+        wait_until(lambda: airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred", 120,
+                   "the training sensor to defer")
+        reads = lambda: sum(1 for r in local_cloud.requests() if r["method"] == "GET" and f"/reservations/{reservation}" in r["path"])  # noqa: E731
+        seen = reads()
+        wait_until(lambda: reads() >= seen + 3, 60, "the triggerer to read the full reservation three times")
+        assert airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred"
+        compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
+        wait_until(lambda: all(vm["name"] != blocker for vm in local_cloud.vms()), 60, "the other run's VM to go")
+        blocker = None
+
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+        if blocker:
+            compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
+        local_cloud.add_reservation(
+            reservation, LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT
+        )
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    leaked = [vm for vm in local_cloud.vms() if vm["name"].startswith(spec.vm_name)]
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["vm_recoveries"] == 1
+    # The run-note listener ran in the scheduler, from the installed wheel's entry point.
+    note = wait_until(lambda: airflow.run(run_id)["note"], 60, "the run's note")
+    assert note.startswith("Succeeded: "), note
+    # The training trigger's log lines (it watched steps on the triggerer) are in the task's log.
+    sensor_log = json.dumps(airflow.task_log(run_id, "wait_for_final_checkpoint"))
+    assert "TrainingStatusTrigger" in sensor_log and "training progress: step 8, loss" in sensor_log, sensor_log[-3000:]
+
+    rows = measure(AirflowApi(airflow.url, airflow.token), "maxtext_sft", run_id, "google_cloud_default")
+    print(report(rows))
+    [row] = rows
+    assert row["capacity_wait_seconds"] > 5  # three reads of the full reservation, at least
+    assert row["capacity_stretches_inside"] == 0 and row["capacity_slot_seconds_inside"] == 0, row

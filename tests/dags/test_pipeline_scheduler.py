@@ -2,7 +2,8 @@
 
 Airflow runs as separate components (localcloud.airflow_harness) on the session's PostgreSQL
 server, on a database of its own per test: each kills a component or needs settings of its own.
-The tests that only act through the REST API share one Airflow in test_pipeline_run_actions.py."""
+The tests that only act through the REST API share one Airflow in test_pipeline_run_actions.py;
+the waits for capacity share one in test_pipeline_capacity.py."""
 
 from __future__ import annotations
 
@@ -181,97 +182,6 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
     deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
     assert len(deletes) == 1 and deletes[0]["status"] == 200
-
-
-def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_worker_slot(
-    start_airflow, wheel_site, local_cloud
-):
-    """The VM is deleted mid-training (durable checkpoints) and another run takes the freed
-    machine. The training sensor finds the VM gone and the reservation full: it defers to the
-    capacity trigger (the scheduler's task state says deferred) until the machine comes back, then
-    recreates the VM and resumes. bench/recovery_slots.py measures, from Airflow's event log and
-    the run's ledger, the worker-slot-seconds held while it waited: none.
-
-    Deployed as on Cloud Composer 3: every component has the installed wheel and the DAG files,
-    and nothing from plugins/ (an empty plugins folder, plugins/ not on the path), so create_vm's
-    start, the training's wait and the capacity wait run on a triggerer that has the package
-    only as an installed distribution; the declared jobs' folder is named by MAXTEXT_SFT_JOBS_DIR
-    (Composer's mounted data/ folder, say)."""
-    from bench.recovery_slots import AirflowApi, measure, report
-    from localcloud.connections import LOCAL_PROJECT, LOCAL_RESERVATION_COUNT, LOCAL_RUN_CONF, LOCAL_ZONE
-    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
-    from maxtext_sft.run.spec import RunSpec
-    from tests.dags.test_fault_matrix import training_logged
-
-    airflow = start_airflow(
-        {
-            "AIRFLOW__MAXTEXT_SFT__CAPACITY_FIRST_READ_SECONDS": "5",
-            "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
-            "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
-        },
-        installed_package=wheel_site,
-    )
-    assert airflow.get("/api/v2/importErrors")["total_entries"] == 0
-    sources = {p["name"]: p["source"] for p in airflow.get("/api/v2/plugins")["plugins"]}
-    assert {"maxtext_sft", "maxtext_sft_run_notes"} <= set(sources), sources
-    assert all("maxtext-sft-airflow" in sources[name] for name in ("maxtext_sft", "maxtext_sft_run_notes")), sources
-    fault_tally.fault_injected()
-    reservation = LOCAL_RUN_CONF["reservation"]
-    bucket = "scheduler-recovery"
-    local_cloud.create_bucket(bucket, exist_ok=True)
-    compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
-    blocker = None
-    local_cloud.add_reservation(reservation, 1, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
-    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 5}}))
-    try:
-        run_id = airflow.trigger({
-            **LOCAL_RUN_CONF, "steps": 8, "checkpoint_period": 2, "poke_interval_seconds": 2,
-            "output_location": f"gs://{bucket}/{time.time_ns()}",
-        })
-        spec = RunSpec.from_dict(wait_until(lambda: airflow.xcom(run_id, "plan_run", "spec"), 120, "the run's spec"))
-        wait_until(lambda: any(training_logged(local_cloud, vm, "completed step: 4,") for vm in local_cloud.vms()),
-                   300, "step 4 of the training")
-        local_cloud.set_vm_file("maxtext-faults.json", "{}")  # the resumed training runs to its end
-        local_cloud.terminate_vm(spec.vm_name, "DELETE")
-        blocker = f"{spec.vm_name}-other"  # another run takes the machine
-        compute.insert_instance(body={**spec.instance_body(), "name": blocker}, zone=spec.zone, project_id=spec.project_id)
-
-        wait_until(lambda: airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred", 120,
-                   "the training sensor to defer")
-        reads = lambda: sum(1 for r in local_cloud.requests() if r["method"] == "GET" and f"/reservations/{reservation}" in r["path"])  # noqa: E731
-        seen = reads()
-        wait_until(lambda: reads() >= seen + 3, 60, "the triggerer to read the full reservation three times")
-        assert airflow.task_states(run_id)["wait_for_final_checkpoint"] == "deferred"
-        compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
-        wait_until(lambda: all(vm["name"] != blocker for vm in local_cloud.vms()), 60, "the other run's VM to go")
-        blocker = None
-
-        final = wait_for_run_end(airflow, run_id, timeout=420)
-    finally:
-        local_cloud.set_vm_file("maxtext-faults.json", "{}")
-        if blocker:
-            compute.delete_instance(resource_id=blocker, zone=spec.zone, project_id=spec.project_id, request_id=None)
-        local_cloud.add_reservation(
-            reservation, LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT
-        )
-    states = airflow.task_states(run_id)
-    assert final["state"] == "success", states
-    leaked = [vm for vm in local_cloud.vms() if vm["name"].startswith(spec.vm_name)]
-    fault_tally.vms_left(leaked)
-    assert leaked == []
-    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["vm_recoveries"] == 1
-    # The run-note listener ran in the scheduler, from the installed wheel's entry point.
-    note = wait_until(lambda: airflow.run(run_id)["note"], 60, "the run's note")
-    assert note.startswith("Succeeded: "), note
-    # The training trigger's log lines (it watched steps on the triggerer) are in the task's log.
-    sensor_log = json.dumps(airflow.task_log(run_id, "wait_for_final_checkpoint"))
-    assert "TrainingStatusTrigger" in sensor_log and "training progress: step 8, loss" in sensor_log, sensor_log[-3000:]
-
-    rows = measure(AirflowApi(airflow.url, airflow.token), "maxtext_sft", run_id, "google_cloud_default")
-    print(report(rows))
-    [row] = rows
-    assert row["capacity_wait_seconds"] > 5  # three reads of the full reservation, at least
-    assert row["capacity_stretches_inside"] == 0 and row["capacity_slot_seconds_inside"] == 0, row
 
 
 AUTOSTOP_MINUTES = 0.5

@@ -1,7 +1,7 @@
 """The rehearsal DAG end to end on the real MaxText 0.2.2 (the local cloud serves the rehearsal's
 public Ubuntu family with the real image): its kit is made on the VM, MaxText converts, trains
-and exports at toy size, every check passes; and its insert request is the real run's but for
-the fields the switch changes."""
+and exports at toy size, every check passes; and its insert request is the real run's (refused by
+the cloud once logged) but for the fields the switch changes."""
 
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal
     assert run.xcoms["publish_to_hub.return_value"]["branch"] == "rehearsal"  # never the repo's main
     rehearsal_body = inserted_body(local_cloud)
 
-    # The real run with the same conf (the fast stand-in is enough: only its insert is compared).
-    real = run_pipeline({**conf, "steps": 5})
-    assert real.state == "success", real.report()
+    # The real run with the same conf: only its insert is compared, so the cloud refuses it once
+    # logged (a quota, synchronously: no instance) and the run ends there, with nothing to delete.
+    real = run_pipeline({**conf, "steps": 5}, cloud_faults={"insert_rejected": {"preset": "quota_exceeded"}})
+    assert real.state == "failed" and real.task_states["create_vm"] == "failed", real.report()
+    assert local_cloud.vms() == []
     real_body = inserted_body(local_cloud)
     found = set(differences(real_body, rehearsal_body))
     switched = {d for d in found if any(d == f or d.startswith(f + ".") for f in SWITCHED)}

@@ -19,7 +19,7 @@ from localcloud.connections import LOCAL_RUN_CONF
 from localcloud.smtp import MailReceiver, body_text
 from localcloud.webhook import WebhookReceiver
 from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
-from tests.dags.test_trigger_form import ARTIFACTS, UI_TIMEOUT, chromium, save_artifact
+from tests.dags.test_ui import ARTIFACTS, UI_TIMEOUT, chromium, save_artifact
 
 pytestmark = pytest.mark.e2e
 

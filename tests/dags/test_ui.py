@@ -1,8 +1,19 @@
-"""The trigger form in Airflow's UI, driven by headless Chromium: a user logs in, finds every Param
-of maxtext_sft under its title with its help text in its section, sees a field a run needs (the
-zone) marked required and Trigger disabled while it is empty, triggers a run with a conf, and the
-run succeeds; its graph shows the runbook's phases. A declared job's form shows the reservation
-its file sets. Screenshots land in test-artifacts/ (kept on failure too).
+"""Airflow's UI, driven by headless Chromium, on one Airflow whose user must log in.
+
+The trigger form: a user logs in, finds every Param of maxtext_sft under its title with its help
+text in its section, sees a field a run needs (the zone) marked required and Trigger disabled while
+it is empty, triggers a run with a conf, and the run succeeds; its graph shows the runbook's
+phases. A declared job's form shows the reservation its file sets.
+
+The Fine-tunes page (plugins/fine_tunes_plugin.py) and the task links, after runs of two fine-tune
+DAGs through the real scheduler: one of maxtext_sft (its outputs in the bucket, published to the
+Hub) and two of the declared job (one triggered, its outputs copied to the worker and not
+published; one started by its schedule, which fails), beside any other run of this Airflow (the
+trigger form's). The page lists every run newest first, its job filter narrows the rows, every
+successful row's loss plot loads; without a login the page sends the browser to the login page.
+
+Screenshots land in test-artifacts/ (kept on failure too; fine-tunes-page.png: the page in the UI's
+frame at 1600x1000).
 
 The selectors are Airflow 3.3's React UI (Chakra): `trigger-dag-button`, `config-form` and its
 accordion items, each field's root, label (the Param's title), required indicator, helper and
@@ -19,20 +30,21 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import requests
 from selenium import webdriver
 from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support import expected_conditions as EC
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from localcloud.airflow_harness import AirflowError
-from localcloud.connections import LOCAL_RUN_CONF
+from localcloud.connections import LOCAL_BUCKET, LOCAL_OUTPUTS_CONF, LOCAL_PROJECT, LOCAL_RUN_CONF
 from maxtext_sft.run.dag_params import pipeline_params
 from maxtext_sft.builders.pipeline import PHASES
 from tests.conftest import REPO
-from tests.dags.conftest import wait_for_run_end, wait_until
+from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +59,18 @@ CHROMIUM_FLAGS = (
 )
 UI_TIMEOUT = 30  # seconds for the UI to show something (generous: the machine is shared)
 REQUIRED = "This field is required"  # Airflow's message under an empty required field (English UI)
-JOB_DAG_ID = "ultrachat_gemma3_nightly"  # a declared job whose file sets the reservation
+JOB_DAG_ID = "ultrachat_gemma3_nightly"  # include/jobs/ultrachat-gemma3-nightly.yaml: its file sets the reservation
+PAGE_STEPS = 6  # the Fine-tunes page's runs
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database):
+    """One Airflow for this file's tests, with a user who logs in (not every user is an admin):
+    its start-up is paid once, and the Fine-tunes page lists the trigger form's run too."""
+    env = {**os.environ, **pipeline_connections}
+    home = tmp_path_factory.mktemp("airflow-home")
+    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, users={USER: PASSWORD}) as instance:
+        yield instance
 
 
 def _pids_with_argument(argument: str) -> list[int]:
@@ -259,10 +282,7 @@ def log_in(driver, airflow) -> None:
     wait.until(EC.url_to_be(f"{airflow.url}/dags/{airflow.dag_id}"))
 
 
-def test_the_trigger_form_shows_every_param_requires_what_a_run_needs_and_starts_a_run(
-    start_airflow, local_cloud, tmp_path
-):
-    airflow = start_airflow(users={USER: PASSWORD})
+def test_the_trigger_form_shows_every_param_requires_what_a_run_needs_and_starts_a_run(airflow, local_cloud, tmp_path):
     with pytest.raises(AirflowError, match="403"):
         airflow.get("/auth/token", auth=False)  # no token without a password
     dag_params = airflow.get(f"/api/v2/dags/{airflow.dag_id}/details")["params"]
@@ -340,5 +360,124 @@ def test_the_trigger_form_shows_every_param_requires_what_a_run_needs_and_starts
             check_graph_view(driver, airflow, run_id)
         except BaseException:
             save_artifact(driver, "trigger-form-failure")
+            raise
+    assert local_cloud.vms() == []
+
+
+def rows_shown(driver) -> list[tuple[str, str]]:
+    return [(row.get_attribute("data-dag-id"), row.get_attribute("data-run-id"))
+            for row in driver.find_elements(By.CSS_SELECTOR, "#fine-tunes tbody tr[data-run-id]")]
+
+
+def plots_loaded(driver) -> list[int]:
+    """Each row's plot's natural width once every image has finished loading (0: it failed)."""
+    WebDriverWait(driver, UI_TIMEOUT).until(lambda d: d.execute_script(
+        "return [...document.querySelectorAll('img.loss')].every(img => img.complete)"))
+    return driver.execute_script("return [...document.querySelectorAll('img.loss')].map(img => img.naturalWidth)")
+
+
+def cell_text(driver, run_id: str, column: int) -> str:
+    return driver.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{run_id}"] td:nth-child({column})').text
+
+
+def test_the_fine_tunes_page_lists_every_run_of_every_fine_tune_dag(airflow, local_cloud, tmp_path):
+    for name in ("fine-tunes-page", "fine-tunes-page-filtered", "fine-tunes-page-failure"):
+        for suffix in (".png", ".html"):
+            (ARTIFACTS / f"{name}{suffix}").unlink(missing_ok=True)  # no stale picture from an earlier run
+
+    # Every DAG fine_tune_dag builds carries the tag the page finds them by; the bake DAG does not.
+    def tagged() -> set[str]:
+        return {dag["dag_id"] for dag in airflow.get("/api/v2/dags?tags=fine-tune&limit=100")["dags"]}
+
+    # start() waits for maxtext_sft's parse only; the dag-processor parses the other files after it.
+    fine_tune_dags = {"maxtext_sft", "maxtext_sft_rehearsal", "maxtext_sft_slice", JOB_DAG_ID}
+    wait_until(lambda: fine_tune_dags <= tagged(), 120, "the other fine-tune DAGs to be parsed")
+    assert tagged() == fine_tune_dags
+
+    # Without a login the page sends the browser to log in; the plots answer 401.
+    page = f"{airflow.url}/fine-tunes/"
+    refused = requests.get(page, allow_redirects=False, timeout=30)
+    assert refused.status_code == 303 and "/auth/login" in refused.headers["location"], refused.text[:300]
+    assert requests.get(f"{page}loss.png", params={"dag_id": "maxtext_sft", "run_id": "x"}, timeout=30).status_code == 401
+
+    local = {**LOCAL_RUN_CONF, "steps": PAGE_STEPS}
+    airflow.request("PATCH", f"/api/v2/dags/{JOB_DAG_ID}?update_mask=is_paused", {"is_paused": False})
+    published = airflow.trigger({**local, **LOCAL_OUTPUTS_CONF})
+    # The job's file has no hub_repo_id; without an output location its outputs are copied to the worker.
+    job_run = airflow.trigger({**local, "output_location": None}, dag_id=JOB_DAG_ID)
+    for dag_id, run_id in (("maxtext_sft", published), (JOB_DAG_ID, job_run)):
+        final = wait_for_run_end(airflow, run_id, timeout=600, dag_id=dag_id)
+        assert final["state"] == "success", airflow.task_states(run_id, dag_id)
+    # Unpausing the job also let its schedule start a run (it fails: the job's reservation is not in
+    # the local cloud): the page lists it too, by when it was due. Every run (this Airflow's other
+    # runs too: the trigger form's), newest first:
+    every_run, succeeded = [], set()
+    for dag_id in ("maxtext_sft", JOB_DAG_ID):
+        for run in airflow.get(f"/api/v2/dags/{dag_id}/dagRuns?limit=100")["dag_runs"]:
+            if wait_for_run_end(airflow, run["dag_run_id"], timeout=300, dag_id=dag_id)["state"] == "success":
+                succeeded.add(run["dag_run_id"])
+            every_run.append((run["run_after"], dag_id, run["dag_run_id"]))
+    newest_first = [(dag_id, run_id) for _, dag_id, run_id in sorted(every_run, reverse=True)]
+    assert [run for run in newest_first if run[1] in (published, job_run)] == [(JOB_DAG_ID, job_run), ("maxtext_sft", published)]
+
+    # The task links, as the API server serves them: from what each task returned.
+    def links(task_id: str) -> dict:
+        return airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{published}/taskInstances/{task_id}/links")["extra_links"]
+
+    vm_name = airflow.xcom(published, "create_vm")["name"]
+    assert links("create_vm") == {"VM in Cloud console": (
+        f"https://console.cloud.google.com/compute/instancesDetail/zones/{LOCAL_RUN_CONF.get('zone', 'us-east5-b')}"
+        f"/instances/{vm_name}?project={LOCAL_PROJECT}")}
+    record = airflow.xcom(published, "collect_outputs")
+    run_folder = record["run_record"].removeprefix("gs://").rsplit("/", 1)[0]
+    assert links("collect_outputs") == {
+        "Run folder in Cloud console": f"https://console.cloud.google.com/storage/browser/{run_folder}"}
+    commit = airflow.xcom(published, "publish_to_hub")
+    hub_commit = f"https://huggingface.co/{commit['repo_id']}/commit/{commit['commit']}"
+    assert links("publish_to_hub") == {"Hub commit": hub_commit}
+
+    with chromium(tmp_path / "chromium-profile") as driver:
+        driver.set_window_size(1600, 1000)
+        try:
+            log_in(driver, airflow)
+            wait = WebDriverWait(driver, UI_TIMEOUT)
+            # In the UI: the navigation's plugin page frames the app.
+            driver.get(f"{airflow.url}/plugin/fine-tunes")
+            frame = wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, 'iframe[title="Fine-tunes"]')))
+            driver.switch_to.frame(frame)
+            wait.until(lambda d: len(rows_shown(d)) == len(newest_first))
+            assert rows_shown(driver) == newest_first
+            assert [width > 0 for width in plots_loaded(driver)] == [True] * len(succeeded)  # the successful runs
+            driver.switch_to.default_content()
+            save_artifact(driver, "fine-tunes-page")
+
+            # The app on its own: the cells, then the filter.
+            driver.get(page)
+            wait.until(lambda d: len(rows_shown(d)) == len(newest_first))
+            assert cell_text(driver, published, 4) == f"{PAGE_STEPS} of {PAGE_STEPS}"
+            assert cell_text(driver, published, 5) == f"{float(record['final_loss']):.4g}"
+            evals = record["eval_loss"]
+            assert cell_text(driver, published, 6) == f"{evals['base']:.4g} → {evals['tuned']:.4g}"
+            assert "h, $" in cell_text(driver, published, 7)
+            published_link = driver.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{published}"] td:nth-child(8) a')
+            assert published_link.get_attribute("href") == hub_commit
+            output_links = {a.text: a.get_attribute("href") for a in driver.find_elements(
+                By.CSS_SELECTOR, f'tr[data-run-id="{published}"] td:nth-child(9) a')}
+            assert output_links["export"].startswith(f"https://console.cloud.google.com/storage/browser/{LOCAL_BUCKET}/")
+            assert output_links["run in Airflow"].endswith(f"/dags/maxtext_sft/runs/{requests.utils.quote(published, safe='')}")
+            assert cell_text(driver, job_run, 8) == "not published: hub_repo_id is not set"
+            assert "run record: " in cell_text(driver, job_run, 9)  # on the worker: a path, no link
+            job_links = driver.find_elements(By.CSS_SELECTOR, f'tr[data-run-id="{job_run}"] td:nth-child(9) a')
+            assert [a.text for a in job_links] == ["run in Airflow"]  # the worker's paths are no links
+
+            # The filter leaves the job's runs (the triggered one and the scheduled one), newest first.
+            job_rows = [run for run in newest_first if run[0] == JOB_DAG_ID]
+            Select(driver.find_element(By.ID, "job-filter")).select_by_value(JOB_DAG_ID)
+            wait.until(lambda d: f"dag_id={JOB_DAG_ID}" in d.current_url and len(rows_shown(d)) == len(job_rows))
+            assert rows_shown(driver) == job_rows and len(job_rows) < len(newest_first)
+            assert [width > 0 for width in plots_loaded(driver)] == [True]  # the scheduled run failed: no plot
+            save_artifact(driver, "fine-tunes-page-filtered")
+        except BaseException:
+            save_artifact(driver, "fine-tunes-page-failure")
             raise
     assert local_cloud.vms() == []
