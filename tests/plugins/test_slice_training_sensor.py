@@ -45,6 +45,7 @@ class FakeSlice:
         self.not_running: dict[str, str] = {}
         self.committed = False
         self.reads: list[str] = []
+        self.recreated_on_read: str | None = None  # a host its group re-creates as the worker reads it
 
 
 @pytest.fixture
@@ -53,6 +54,9 @@ def fake(monkeypatch):
 
     def read_training_status(self, spec):
         made.reads.append(spec.vm_name)
+        if spec.vm_name == made.recreated_on_read:  # a blank disk: no training there
+            made.not_running[spec.vm_name] = "gone: deleted outside this run's teardown, and re-created by its group as instance 999"
+            return 0, list(NOT_STARTED)
         lines = made.lines[spec.vm_name]
         if isinstance(lines, BaseException):
             raise lines
@@ -173,6 +177,16 @@ def test_another_host_dead_at_the_first_check_fails_without_deferring(fake):
     assert str(failed.value).startswith(
         f"Training {SPEC.run_name} exited with code 137 (killed by SIGKILL) on host 2 (slice-host-2); last log lines:")
     assert "Killed" in str(failed.value)
+
+
+def test_a_host_re_created_as_the_worker_reads_it_is_named_lost_not_a_training_never_started(fake):
+    """Its group re-creates a deleted host under its name between the worker's Compute API check
+    and its read of that host's training status: a blank disk, no training. Asked again, the API
+    names the cause (CI saw "No training was ever started" for the host a test had deleted)."""
+    fake.recreated_on_read = "slice-host-2"
+    with pytest.raises(AirflowFailException, match=rf"Host 2 \(slice-host-2\) of slice .* is gone: deleted outside this "
+                                                   rf"run's teardown, and re-created by its group .*: {NOT_RECOVERED}"):
+        sensor().execute(context())
 
 
 def test_a_host_the_worker_cannot_read_is_not_a_death(fake):

@@ -782,7 +782,13 @@ class SliceTrainingSensor(TrainingCheckpointSensor):
     def _worker_deaths(self) -> list[str]:
         """What ended the training on each other host whose process exited non-zero."""
         others = self.host_specs[1:]
-        return [death for death in on_every_host(others, self._worker_death, "training") if death] if others else []
+        deaths = [death for death in on_every_host(others, self._worker_death, "training") if death] if others else []
+        if deaths:
+            # A host deleted and re-created by its group since the last look at the Compute API
+            # has a blank disk, which reads as a training never started: asked again, the API
+            # names that cause instead.
+            check_hosts_running(self.host_specs, self.gcp_conn_id)
+        return deaths
 
     def _worker_death(self, spec: RunSpec) -> str | None:
         try:
