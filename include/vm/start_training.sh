@@ -6,10 +6,10 @@
 # failed one is started again and MaxText resumes from its latest checkpoint (appending to the
 # same metrics file). When the training exits, its "completed step" lines (at most 2000, as
 # loss_history.sh thins them) are copied to STEP_LINES_URI, the metrics file to METRICS_URI and
-# the whole log to LOG_URI (gs://..., or "" for none) before the exit code is written: the final
-# loss, the loss history, the eval results and the log (the task log shows only its step lines,
-# evaluations, warnings and errors) then outlive a VM that stops itself, or is lost, after the
-# training ended.
+# the whole log to LOG_URI (gs://..., or "" for none; one gcloud call for those in one folder)
+# before the exit code is written: the final loss, the loss history, the eval results and the log
+# (the task log shows only its step lines, evaluations, warnings and errors) then outlive a VM
+# that stops itself, or is lost, after the training ended.
 #
 # On a multi-host TPU slice this script runs on every host, each with its own WORKER_ID; the
 # hosts' trainings form one multi-controller JAX run (MaxText calls jax.distributed.initialize()
@@ -92,20 +92,35 @@ setsid nohup bash -c '
   PYTHONFAULTHANDLER=1 python3 -m maxtext.trainers.post_train.sft.train_sft "$@" \
     "metrics_file=$job_dir/metrics.jsonl" >>"$job_dir/train.log" 2>&1
   status=$?
-  # The copies log to a file of their own: the training log is what the sensor streams.
+  # The copies: every file whose object is in the first object folder goes in one gcloud call
+  # (the pipeline gives the three one folder, its run folder; each gcloud start costs about a
+  # second of CPU), staged under its object name by a hard link; a file for another folder is
+  # copied alone. They log to upload.log: the training log is what the sensor streams.
+  staged=$job_dir/upload folder="" names=()
+  rm -rf "$staged" && mkdir -p "$staged"
+  stage() {  # FILE URI
+    [ -n "$2" ] || return 0
+    folder=${folder:-${2%/*}}
+    if [ "${2%/*}" = "$folder" ]; then
+      ln -f "$1" "$staged/${2##*/}" && names+=("${2##*/}")
+    elif ! gcloud storage cp "$1" "$2" >>"$job_dir/upload.log" 2>&1; then
+      echo "WARNING: could not copy $1 to $2 (see $job_dir/upload.log)" >>"$job_dir/train.log"
+    fi
+  }
   if [ -n "$step_lines_uri" ]; then
-    { bash "$scripts/loss_history.sh" "$work_dir" "$run_name" 2000 >"$job_dir/step-lines.log" &&
-      gcloud storage cp "$job_dir/step-lines.log" "$step_lines_uri"; } >"$job_dir/step-lines.upload.log" 2>&1 ||
-      echo "WARNING: could not copy the step lines to $step_lines_uri (see $job_dir/step-lines.upload.log)" >>"$job_dir/train.log"
+    if bash "$scripts/loss_history.sh" "$work_dir" "$run_name" 2000 >"$job_dir/step-lines.log" 2>>"$job_dir/upload.log"; then
+      stage "$job_dir/step-lines.log" "$step_lines_uri"
+    else
+      echo "WARNING: could not list the step lines for $step_lines_uri (see $job_dir/upload.log)" >>"$job_dir/train.log"
+    fi
   fi
-  if [ -n "$metrics_uri" ] && [ -f "$job_dir/metrics.jsonl" ]; then
-    gcloud storage cp "$job_dir/metrics.jsonl" "$metrics_uri" >"$job_dir/metrics.upload.log" 2>&1 ||
-      echo "WARNING: could not copy the metrics to $metrics_uri (see $job_dir/metrics.upload.log)" >>"$job_dir/train.log"
+  if [ -f "$job_dir/metrics.jsonl" ]; then
+    stage "$job_dir/metrics.jsonl" "$metrics_uri"
   fi
-  # The log last, so that a warning above is in the copy too.
-  if [ -n "$log_uri" ]; then
-    gcloud storage cp "$job_dir/train.log" "$log_uri" >"$job_dir/log.upload.log" 2>&1 ||
-      echo "WARNING: could not copy this log to $log_uri (see $job_dir/log.upload.log)" >>"$job_dir/train.log"
+  # The log last: its link is the same file, so a warning above is in the copy too.
+  stage "$job_dir/train.log" "$log_uri"
+  if [ "${#names[@]}" -gt 0 ] && ! (cd "$staged" && gcloud storage cp "${names[@]}" "$folder/") >>"$job_dir/upload.log" 2>&1; then
+    echo "WARNING: could not copy ${names[*]} to $folder/ (see $job_dir/upload.log)" >>"$job_dir/train.log"
   fi
   echo $status >"$job_dir/exit_code.tmp" && mv "$job_dir/exit_code.tmp" "$job_dir/exit_code"
 ' train_sft "$job_dir" "$(cd "$(dirname "$0")" && pwd)" "$work_dir" "$run_name" "$step_lines_uri" "$metrics_uri" "$log_uri" "$@" \

@@ -507,3 +507,68 @@ def test_of_two_concurrent_conversions_the_second_to_finish_adopts_the_first(sto
     assert reported(late) == items
     assert bucket.get_blob(f"{cache}/COMPLETE.json").generation == marker.generation  # never overwritten
     assert not list(bucket.list_blobs(prefix=f"{cache}/attempts/{second.spec.run_name}/"))
+
+
+# ----- with an output location: the training's copies as it exits ---------------------------
+
+
+def gcloud_recorder(folder: Path, fail_copies: bool = False) -> str:
+    """A gcloud first on a script's PATH that notes each call's arguments in folder/calls, then
+    runs the real one (or, with fail_copies, fails every `storage cp`); the PATH prefix."""
+    folder.mkdir(exist_ok=True)
+    fail = '[ "$1 $2" = "storage cp" ] && exit 1\n' if fail_copies else ""
+    (folder / "gcloud").write_text(f'#!/bin/bash\necho "$*" >>{folder}/calls\n{fail}exec /usr/bin/gcloud "$@"\n')
+    (folder / "gcloud").chmod(0o755)
+    return f"{folder}:"
+
+
+def copies(folder: Path) -> list[list[str]]:
+    return [line.split()[2:] for line in (folder / "calls").read_text().splitlines() if line.startswith("storage cp ")]
+
+
+def test_a_finished_training_copies_its_step_lines_metrics_and_log_in_one_gcloud_call(storage_vms, tmp_path):
+    vm, _, bucket = storage_vms
+    vm.run("convert")
+    shim = tmp_path / "recorded"
+    vm.run("start_training", path_prefix=gcloud_recorder(shim))
+    fields, seen = vm.wait_for_training()
+    assert (fields["state"], fields["exit_code"]) == ("exited", "0"), seen  # its checkpoints are in storage
+    names = [uri.rsplit("/", 1)[1] for uri in (vm.spec.training_steps_uri, vm.spec.training_metrics_uri, vm.spec.training_log_uri)]
+    assert copies(shim) == [[*names, f"{vm.spec.run_output_dir}/"]]  # one call, each file under its object's name
+    job = vm.home / "maxtext-sft-runs" / vm.spec.run_name
+    for uri, local in zip((vm.spec.training_steps_uri, vm.spec.training_metrics_uri, vm.spec.training_log_uri),
+                          ("step-lines.log", "metrics.jsonl", "train.log")):
+        assert bucket.blob(uri.removeprefix(f"gs://{bucket.name}/")).download_as_text() == (job / local).read_text(), uri
+    assert "completed step: 12," in (job / "step-lines.log").read_text()
+
+
+def test_a_file_for_another_folder_is_copied_alone(storage_vms, tmp_path):
+    vm, _, bucket = storage_vms
+    vm.run("convert")
+    args = [a.replace("/dev/shm", str(vm.shm)) for a in STEPS["start_training"].arguments(vm.spec, {})]
+    elsewhere = f"gs://{bucket.name}/elsewhere/metrics.jsonl"
+    args[args.index(vm.spec.training_metrics_uri)] = elsewhere
+    shim = tmp_path / "recorded"
+    started = subprocess.run(
+        ["bash", str(vm_scripts_dir() / STEPS["start_training"].script), *args], input=TOKEN + "\n",
+        capture_output=True, text=True, timeout=120,
+        env={"HOME": str(vm.home), "PATH": f"{gcloud_recorder(shim)}/usr/bin:/bin", "MAXTEXT_STANDIN_FAULTS": str(vm.faults), **vm.env},
+    )
+    assert started.returncode == 0, started.stderr
+    assert vm.wait_for_training()[0]["exit_code"] == "0"
+    job = vm.home / "maxtext-sft-runs" / vm.spec.run_name
+    assert copies(shim) == [[str(job / "metrics.jsonl"), elsewhere],
+                            ["training-steps.log", "training.log", f"{vm.spec.run_output_dir}/"]]
+    assert bucket.blob("elsewhere/metrics.jsonl").download_as_text() == (job / "metrics.jsonl").read_text()
+
+
+def test_a_failed_copy_is_a_warning_in_the_log_and_the_training_still_reports_its_end(storage_vms, tmp_path):
+    vm, _, bucket = storage_vms
+    vm.run("convert")
+    vm.run("start_training", path_prefix=gcloud_recorder(tmp_path / "failing", fail_copies=True))
+    fields, seen = vm.wait_for_training()
+    assert fields["exit_code"] == "0", seen  # the training's end is still reported
+    job = vm.home / "maxtext-sft-runs" / vm.spec.run_name
+    assert (f"WARNING: could not copy training-steps.log training-metrics.jsonl training.log to "
+            f"{vm.spec.run_output_dir}/ (see {job}/upload.log)") in (job / "train.log").read_text()
+    assert not bucket.blob(vm.spec.training_log_uri.removeprefix(f"gs://{bucket.name}/")).exists()
