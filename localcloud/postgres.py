@@ -3,6 +3,8 @@
     with PostgresServer(Path("/tmp/some-dir")) as server:
         server.url            # "postgresql+psycopg2://postgres:PASSWORD@127.0.0.1:PORT/airflow"
         server.create_database("other")   # another database on the same server, its URL
+        server.dump_database("other", Path("other.sql"))   # its schema and rows as SQL...
+        another_server.load_database("copy", Path("other.sql"))   # ...run into a new database
 
 `start()` creates a fresh cluster (`initdb`) in ROOT/data, owned by an unprivileged OS user
 (PostgreSQL refuses to run as root: as root, Debian's `postgres` system user; otherwise the
@@ -196,6 +198,17 @@ class PostgresServer:
             raise ValueError(f"database name {name!r}")
         self._admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
+    def dump_database(self, name: str, path: Path) -> None:
+        """Write database `name`, schema and rows, to `path` as SQL (pg_dump's plain format,
+        without owners or privileges): what load_database reads into another server's database."""
+        path.write_text(self._client(["pg_dump", "--no-owner", "--no-privileges", f"--dbname={name}"]).stdout)
+
+    def load_database(self, name: str, path: Path) -> None:
+        """Run dump_database's SQL from `path` into database `name` (new and empty), stopping at
+        the first error."""
+        self._client(["psql", "--quiet", "--no-psqlrc", "--set=ON_ERROR_STOP=1", f"--dbname={name}"],
+                     input=path.read_text())
+
     def processes(self) -> list[int]:
         """Live processes of this cluster: in the postmaster's process group or working in its data dir."""
         data = str(self.data_dir)
@@ -267,6 +280,24 @@ class PostgresServer:
             timeout=timeout,
             **switch,
         )
+
+    def _client(self, args: list[str], input: str | None = None) -> subprocess.CompletedProcess:
+        """Run a PostgreSQL client program against this server (over TCP, as the superuser)."""
+        if self.port is None:
+            raise PostgresError("the server is not running")
+        env = {
+            "PATH": f"{self.bindir}:/usr/bin:/bin",
+            "PGHOST": "127.0.0.1",
+            "PGPORT": str(self.port),
+            "PGUSER": SUPERUSER,
+            "PGPASSWORD": self.password,
+            "LC_ALL": "C.UTF-8",
+        }
+        done = subprocess.run([str(self.bindir / args[0]), *args[1:]], env=env, input=input,
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise PostgresError(f"{args[0]} exited {done.returncode}: {done.stderr[-2000:]}")
+        return done
 
     def _chown(self, path: Path) -> None:
         if os.geteuid() != self.os_user.pw_uid:

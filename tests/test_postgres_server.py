@@ -24,23 +24,46 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_airflow_db_migrate_works_against_the_session_server(postgres_url):
-    assert postgres_url.startswith("postgresql+psycopg2://postgres:")
-    result = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        env={**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": postgres_url},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    engine = sqlalchemy.create_engine(postgres_url)
+def rows(url: str, query: str) -> list[tuple]:
+    engine = sqlalchemy.create_engine(url)
     try:
         with engine.connect() as connection:
-            assert connection.execute(sqlalchemy.text("select count(*) from alembic_version")).scalar() == 1
-            assert connection.execute(sqlalchemy.text("select count(*) from dag_run")).scalar() == 0
+            return [tuple(row) for row in connection.execute(sqlalchemy.text(query))]
     finally:
         engine.dispose()
+
+
+def test_a_copy_of_the_migrated_template_holds_airflows_schema(postgres_server, migrated_database):
+    """Every test Airflow starts on such a copy: of the template this worker migrated with
+    `airflow db migrate`, or that it loaded from the SQL of the one another worker migrated."""
+    name, url = migrated_database("schema_check")
+    try:
+        assert url.startswith("postgresql+psycopg2://postgres:")
+        assert len(rows(url, "select version_num from alembic_version")) == 1
+        assert rows(url, "select pool, slots from slot_pool") == [("default_pool", 128)]  # what migrate adds
+        assert rows(url, "select count(*) from dag_run") == [(0,)]
+    finally:
+        postgres_server.drop_database(name)
+
+
+def test_a_dumped_database_loads_into_a_new_one_and_a_load_stops_at_its_first_error(postgres_server, tmp_path):
+    source = postgres_server.create_database("dump_source")
+    engine = sqlalchemy.create_engine(source)
+    with engine.begin() as connection:
+        connection.execute(sqlalchemy.text("create table kept (id int primary key, word text)"))
+        connection.execute(sqlalchemy.text("insert into kept values (1, 'one'), (2, 'two')"))
+    engine.dispose()
+    dump = tmp_path / "source.sql"
+    try:
+        postgres_server.dump_database("dump_source", dump)
+        copy = postgres_server.create_database("dump_copy")
+        postgres_server.load_database("dump_copy", dump)
+        assert rows(copy, "select id, word from kept order by id") == [(1, "one"), (2, "two")]
+        with pytest.raises(PostgresError, match='psql exited 3: .*relation "kept" already exists'):
+            postgres_server.load_database("dump_copy", dump)  # the table is there: the load stops
+    finally:
+        postgres_server.drop_database("dump_source")
+        postgres_server.drop_database("dump_copy")
 
 
 # A run that dies without stopping its server (as a killed pytest would).
