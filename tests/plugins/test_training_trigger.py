@@ -113,10 +113,10 @@ def fake_training(spec, hook, *, steps: int, alive: bool, exit_code: int | None,
             echo 999999 >"$dir/pid"
         fi
     """
-    if exit_code is not None:
-        script += f'echo {exit_code} >"$dir/exit_code"\n'
-        if exit_code == 0:
-            script += f'mkdir -p {shlex.quote(spec.checkpoints_dir)}/{spec.steps}/model_params\n'
+    if exit_code == 0:  # the final checkpoint is committed before the process exits
+        script += f'mkdir -p {shlex.quote(spec.checkpoints_dir)}/{spec.steps}/model_params\n'
+    if exit_code is not None:  # as start_training.sh writes it: a reader never sees half a file
+        script += f'echo {exit_code} >"$dir/exit_code.tmp" && mv "$dir/exit_code.tmp" "$dir/exit_code"\n'
     run_on_vm(hook, script)
 
 
