@@ -213,14 +213,24 @@ def start_airflow(tmp_path, pipeline_connections, postgres_server, migrated_data
         yield start
 
 
+@contextlib.contextmanager
+def module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database,
+                   settings: dict | None = None, **options):
+    """Airflow with the project's DAGs for a module-scoped fixture: `settings` over the
+    environment and the pipeline's connections, in an Airflow home of its own (harness options as
+    airflow_on_fresh_database takes them); its start-up, half a minute of two busy cores, is paid
+    once for the module's tests."""
+    env = {**os.environ, **pipeline_connections, **(settings or {})}
+    home = tmp_path_factory.mktemp("airflow-home")
+    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, **options) as instance:
+        yield instance
+
+
 @pytest.fixture(scope="module")
 def shared_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database):
-    """One Airflow with the project's DAGs for a module's tests that each start and finish runs of
-    their own and leave its components alone (no kill, no settings of their own): its start-up,
-    half a minute of two busy cores, is paid once."""
-    env = {**os.environ, **pipeline_connections}
-    home = tmp_path_factory.mktemp("airflow-home")
-    with airflow_on_fresh_database(home, env, postgres_server, migrated_database) as instance:
+    """One Airflow for a module's tests that each start and finish runs of their own and leave its
+    components alone (no kill, no settings of their own)."""
+    with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database) as instance:
         yield instance
 
 

@@ -6,14 +6,13 @@ run beside the scheduler file's on another worker (tests/conftest.py deals out f
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 
 from tests.conftest import REPO
 from tests.dags import fault_tally
-from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
+from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -27,13 +26,12 @@ def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_da
     named by MAXTEXT_SFT_JOBS_DIR (Composer's mounted data/ folder, say). The capacity is read
     every 2 s (the triggers' first events after the tests' 10 s, not 60): each recovery's and the
     queue's waits are the cloud's, not the polls'."""
-    env = {
-        **os.environ, **pipeline_connections,
+    settings = {
         "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
         "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
     }
-    home = tmp_path_factory.mktemp("airflow-home")
-    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, installed_package=wheel_site) as instance:
+    with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
+                        installed_package=wheel_site) as instance:
         yield instance
 
 

@@ -44,7 +44,7 @@ from localcloud.connections import LOCAL_BUCKET, LOCAL_OUTPUTS_CONF, LOCAL_PROJE
 from maxtext_sft.run.dag_params import pipeline_params
 from maxtext_sft.builders.pipeline import PHASES
 from tests.conftest import REPO
-from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
+from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -67,9 +67,8 @@ PAGE_STEPS = 6  # the Fine-tunes page's runs
 def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database):
     """One Airflow for this file's tests, with a user who logs in (not every user is an admin):
     its start-up is paid once, and the Fine-tunes page lists the trigger form's run too."""
-    env = {**os.environ, **pipeline_connections}
-    home = tmp_path_factory.mktemp("airflow-home")
-    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, users={USER: PASSWORD}) as instance:
+    with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database,
+                        users={USER: PASSWORD}) as instance:
         yield instance
 
 

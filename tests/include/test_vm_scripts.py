@@ -70,8 +70,11 @@ class Vm:
     def path(self, remote: str) -> Path:
         return Path(remote.replace("/dev/shm", str(self.shm)))
 
-    def run(self, step: str, token: str | None = TOKEN, check: bool = True, path_prefix: str = ""):
+    def run(self, step: str, token: str | None = TOKEN, check: bool = True, path_prefix: str = "",
+            replace: dict[str, str] | None = None):
+        """Run a step's script with the step table's arguments (`replace`: some of them swapped)."""
         args = [a.replace("/dev/shm", str(self.shm)) for a in STEPS[step].arguments(self.spec, {})]
+        args = [(replace or {}).get(a, a) for a in args]
         env = {
             "HOME": str(self.home),
             "PATH": f"{path_prefix}/usr/bin:/bin",
@@ -545,16 +548,9 @@ def test_a_finished_training_copies_its_step_lines_metrics_and_log_in_one_gcloud
 def test_a_file_for_another_folder_is_copied_alone(storage_vms, tmp_path):
     vm, _, bucket = storage_vms
     vm.run("convert")
-    args = [a.replace("/dev/shm", str(vm.shm)) for a in STEPS["start_training"].arguments(vm.spec, {})]
     elsewhere = f"gs://{bucket.name}/elsewhere/metrics.jsonl"
-    args[args.index(vm.spec.training_metrics_uri)] = elsewhere
     shim = tmp_path / "recorded"
-    started = subprocess.run(
-        ["bash", str(vm_scripts_dir() / STEPS["start_training"].script), *args], input=TOKEN + "\n",
-        capture_output=True, text=True, timeout=120,
-        env={"HOME": str(vm.home), "PATH": f"{gcloud_recorder(shim)}/usr/bin:/bin", "MAXTEXT_STANDIN_FAULTS": str(vm.faults), **vm.env},
-    )
-    assert started.returncode == 0, started.stderr
+    vm.run("start_training", path_prefix=gcloud_recorder(shim), replace={vm.spec.training_metrics_uri: elsewhere})
     assert vm.wait_for_training()[0]["exit_code"] == "0"
     job = vm.home / "maxtext-sft-runs" / vm.spec.run_name
     assert copies(shim) == [[str(job / "metrics.jsonl"), elsewhere],
