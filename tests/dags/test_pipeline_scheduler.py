@@ -31,7 +31,10 @@ pytestmark = pytest.mark.e2e
 def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
     """SIGKILL the scheduler mid-training of two runs and never restart it: each VM must still go,
     one by its maxRunDuration (the cloud's lifetime), the other (its lifetime left to Airflow) by
-    the janitor command alone. One Airflow for both: the backstops act on each run's own VM."""
+    the janitor command alone. One Airflow for both: the backstops act on each run's own VM.
+    The harness itself (localcloud.airflow_harness) is checked on the way: each component in a
+    process group of its own, the scheduler's killed alone, and a graceful stop leaving nothing."""
+    from localcloud.airflow_harness import COMPONENTS
     from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF
 
     lifetime = 60
@@ -42,8 +45,14 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
         by_janitor = airflow.trigger({**conf, "cloud_enforced_lifetime": False})
         for run_id in (by_cloud, by_janitor):
             wait_for_training_watched(airflow, run_id)
+        groups = {name: airflow.processes[name].pid for name in COMPONENTS}
+        assert len(set(groups.values())) == 4 and all(os.getpgid(pgid) == pgid for pgid in groups.values())
         airflow.kill_scheduler()
         started = time.time()  # at most this long after each VM started: its lifetime ends <= started + lifetime
+        assert not _group_alive(groups["scheduler"]) and not airflow.running("scheduler")
+        for name in ("api-server", "dag-processor", "triggerer"):
+            assert airflow.running(name) and _group_alive(groups[name]), name
+        assert airflow.health()["metadatabase"]["status"] == "healthy"  # the API still answers
         vm_of = {run_id: _vm_name(airflow, run_id) for run_id in (by_cloud, by_janitor)}
         assert {vm["name"] for vm in local_cloud.vms()} == set(vm_of.values())
         expires = int(_instance_label(vm_of[by_janitor], "expires-at"))
@@ -67,6 +76,42 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
         assert not airflow.running("scheduler")
     finally:
         local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    # A graceful stop (SIGTERM, its default grace) leaves no process of this Airflow home; the
+    # fixture's own stop at teardown then finds nothing to do.
+    airflow.stop()
+    assert not any(_group_alive(pgid) for pgid in groups.values())
+    assert _marked_processes(airflow.home) == []
+
+
+def _marked_processes(home: Path) -> list[int]:
+    """Live processes started for this Airflow home (they carry the harness's mark)."""
+    from localcloud.airflow_harness import HOME_MARK
+
+    mark = f"{HOME_MARK}={home}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                if Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group has a live member (zombies waiting to be reaped do not count)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
 
 
 def _vm_name(airflow, run_id: str) -> str:
@@ -249,6 +294,3 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     export_log = json.dumps(airflow.task_log(run_id, "export_to_hf"))
     assert "Made VM" in export_log  # the stopped VM was replaced by the step that needed one
 
-
-# The tests below act on runs through the REST API and leave Airflow's components alone: they
-# share one Airflow (shared_airflow), started for them and kept to the end of this module.
