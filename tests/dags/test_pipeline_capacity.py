@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 
 from tests.conftest import REPO
 from tests.dags import fault_tally
 from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
+from tests.plugins.test_capacity_gate import DAG_ID as GATE_DAG_ID
+from tests.plugins.test_capacity_gate import GATE_BUNDLE, compute, create, inserts_of, is_read_of, names, run_conf  # noqa: F401 - fixtures
+from tests.plugins.test_capacity_gate import add_reservation
 
 pytestmark = pytest.mark.e2e
 
@@ -25,10 +29,13 @@ def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_da
     triggerer that has the package only as an installed distribution; the declared jobs' folder is
     named by MAXTEXT_SFT_JOBS_DIR (Composer's mounted data/ folder, say). The capacity is read
     every 2 s (the triggers' first events after the tests' 10 s, not 60): each recovery's and the
-    queue's waits are the cloud's, not the polls'."""
+    queue's waits are the cloud's, not the polls'. Beside the DAGs folder, a bundle of its own
+    holds the capacity gate's one-task DAG (tests/plugins/capacity_gate_dags)."""
+    dags_folder = {"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}}
     settings = {
         "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
         "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
+        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([dags_folder, GATE_BUNDLE]),
     }
     with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
                         installed_package=wheel_site) as instance:
@@ -205,3 +212,43 @@ def test_a_recovery_while_the_reservation_is_full_waits_deferred_holding_no_work
     [row] = rows
     assert row["capacity_wait_seconds"] > 5  # three reads of the full reservation, at least
     assert row["capacity_stretches_inside"] == 0 and row["capacity_slot_seconds_inside"] == 0, row
+
+
+def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_free(
+    airflow, names, local_cloud, compute
+):
+    """The scheduler starts create_vm on the triggerer (start_from_trigger): the trigger reads the
+    full reservation, then, once a machine is given back, inserts the VM; the worker only adopts
+    it. No worker ran create_vm before the insert."""
+    wait_until(lambda: airflow.get(f"/api/v2/dags/{GATE_DAG_ID}", missing_ok=True), 300, "the gate's DAG to be parsed")
+    reservation, spec_for = names
+    add_reservation(local_cloud, reservation)
+    other_run, ours = spec_for(reservation), spec_for(reservation)
+    create(compute, other_run)
+
+    run_id = airflow.trigger(run_conf(ours, max_wait=10), dag_id=GATE_DAG_ID)
+    wait_until(lambda: airflow.task_states(run_id, GATE_DAG_ID).get("create_vm") == "deferred", 180, "create_vm to defer")
+    # The triggerer keeps reading; the task stays deferred and asks for no VM.
+    wait_until(lambda: sum(is_read_of(r, reservation) for r in local_cloud.requests()) >= 3, 60, "the trigger's reads")
+    assert airflow.task_states(run_id, GATE_DAG_ID)["create_vm"] == "deferred"
+    assert inserts_of(local_cloud.requests(), ours.vm_name) == []
+
+    compute.delete_instance(
+        resource_id=other_run.vm_name, project_id=other_run.project_id, zone=other_run.zone, request_id=None
+    )
+    run = wait_until(
+        lambda: (r := airflow.run(run_id, GATE_DAG_ID))["state"] in ("success", "failed") and r, 180, "the run to end"
+    )
+
+    assert run["state"] == "success", airflow.task_states(run_id, GATE_DAG_ID)
+    [insert] = inserts_of(local_cloud.requests(), ours.vm_name)
+    assert insert["status"] == 200
+    # Not the worker's insert (its request id is the try's): the trigger's, with an id of its own.
+    assert insert["query"]["requestId"] != str(uuid.uuid5(uuid.NAMESPACE_URL, f"{ours.request_id}/1"))
+    [create_vm] = [ti for ti in airflow.task_instances(run_id, GATE_DAG_ID) if ti["task_id"] == "create_vm"]
+    assert create_vm["try_number"] == 1  # resumed, not retried
+    log = json.dumps(airflow.task_log(run_id, "create_vm", dag_id=GATE_DAG_ID))
+    assert "1 of 1 machines in use; waiting (deferred, no worker slot)" in log, log
+    assert f"machines free: creating {ours.vm_name}" in log, log
+    assert f"Instance {ours.vm_name} already exists (RUNNING): adopting it" in log, log
+    assert compute.get_instance(resource_id=ours.vm_name, project_id=ours.project_id, zone=ours.zone).status == "RUNNING"

@@ -1,13 +1,12 @@
 """CreateVmOperator's capacity gate against the local cloud: no insert while the reservation is
 full, a refused insert goes back to waiting, the wait is bounded, and a retry adopts its VM without
-being gated. Through `dag.test()` (the worker's path: its trigger runs in-process), and under
+being gated. Through `dag.test()` (the worker's path: its trigger runs in-process); under
 Airflow's real scheduler and triggerer, where each try starts on the triggerer
-(CreateVmStartTrigger), which waits and inserts with no worker slot held."""
+(CreateVmStartTrigger), in tests/dags/test_pipeline_capacity.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -21,7 +20,6 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from google.api_core.exceptions import NotFound
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_ZONE
-from tests.dags.conftest import airflow_on_fresh_database
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.tasks.outcome import FAILURE_KEY
 from maxtext_sft.run.spec import RunSpec, build_run_spec
@@ -283,64 +281,3 @@ def test_with_the_gate_preflight_lets_a_full_reservation_wait(names, local_cloud
     no_wait = RunSpec.from_dict({**ours.to_dict(), "max_capacity_wait_minutes": 0})
     with pytest.raises(PreflightFailed, match="has no free capacity"):
         check_reservation(compute, no_wait, capacity_gate=True)
-
-
-@pytest.fixture
-def scheduled_airflow(tmp_path, pipeline_connections, postgres_server, migrated_database):
-    """Airflow's components (scheduler, triggerer...) on a fresh database, running only the gate's DAG."""
-    env = {
-        **os.environ,
-        **pipeline_connections,
-        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([GATE_BUNDLE]),
-    }
-    home = tmp_path / "airflow-home"
-    with airflow_on_fresh_database(home, env, postgres_server, migrated_database, "gate", dag_id=DAG_ID) as instance:
-        yield instance
-
-
-def wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.5)  # polling interval; the condition is re-read each time
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_free(
-    scheduled_airflow, names, local_cloud, compute
-):
-    """The scheduler starts create_vm on the triggerer (start_from_trigger): the trigger reads the
-    full reservation, then, once a machine is given back, inserts the VM; the worker only adopts
-    it. No worker ran create_vm before the insert."""
-    reservation, spec_for = names
-    add_reservation(local_cloud, reservation)
-    other_run, ours = spec_for(reservation), spec_for(reservation)
-    create(compute, other_run)
-
-    run_id = scheduled_airflow.trigger(run_conf(ours, max_wait=10))
-    wait_until(lambda: scheduled_airflow.task_states(run_id).get("create_vm") == "deferred", 180, "create_vm to defer")
-    # The triggerer keeps reading; the task stays deferred and asks for no VM.
-    wait_until(lambda: sum(is_read_of(r, reservation) for r in local_cloud.requests()) >= 3, 60, "the trigger's reads")
-    assert scheduled_airflow.task_states(run_id)["create_vm"] == "deferred"
-    assert inserts_of(local_cloud.requests(), ours.vm_name) == []
-
-    compute.delete_instance(
-        resource_id=other_run.vm_name, project_id=other_run.project_id, zone=other_run.zone, request_id=None
-    )
-    run = wait_until(
-        lambda: (r := scheduled_airflow.run(run_id))["state"] in ("success", "failed") and r, 180, "the run to end"
-    )
-
-    assert run["state"] == "success", scheduled_airflow.task_states(run_id)
-    [insert] = inserts_of(local_cloud.requests(), ours.vm_name)
-    assert insert["status"] == 200
-    # Not the worker's insert (its request id is the try's): the trigger's, with an id of its own.
-    assert insert["query"]["requestId"] != str(uuid.uuid5(uuid.NAMESPACE_URL, f"{ours.request_id}/1"))
-    [create_vm] = [ti for ti in scheduled_airflow.task_instances(run_id) if ti["task_id"] == "create_vm"]
-    assert create_vm["try_number"] == 1  # resumed, not retried
-    log = json.dumps(scheduled_airflow.task_log(run_id, "create_vm", dag_id=DAG_ID))
-    assert "1 of 1 machines in use; waiting (deferred, no worker slot)" in log, log
-    assert f"machines free: creating {ours.vm_name}" in log, log
-    assert f"Instance {ours.vm_name} already exists (RUNNING): adopting it" in log, log
-    assert compute.get_instance(resource_id=ours.vm_name, project_id=ours.project_id, zone=ours.zone).status == "RUNNING"
