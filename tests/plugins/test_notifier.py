@@ -31,7 +31,7 @@ class FakeDag:
 @pytest.fixture
 def run_failed_in_preflight(monkeypatch):
     """What the Task SDK would read of the run (tested against a real scheduler in
-    tests/dags/test_run_notes.py): preflight failed with its error recorded."""
+    tests/dags/test_declared_job_runs.py): preflight failed with its error recorded."""
     monkeypatch.setattr(notifier_module, "failed_tasks", lambda dag, run_id: FAILED)
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "http://airflow.example:8080")
     return {"dag": FakeDag(), "run_id": RUN_ID, "reason": "task_failure"}
