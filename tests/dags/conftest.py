@@ -179,7 +179,8 @@ AIRFLOW_TEST_SETTINGS = {
 
 # At a test's end nothing waits on Airflow's graceful exit (measured: 13 s for the scheduler,
 # dag-processor and triggerer, 6 s more for the api-server): what is still up after this is killed,
-# with the task runners it left. tests/test_airflow_harness.py checks the graceful stop itself.
+# with the task runners it left. The killed-scheduler test (test_pipeline_scheduler.py) checks
+# the graceful stop itself.
 TEARDOWN_STOP_GRACE_SECONDS = 3
 
 
@@ -226,12 +227,47 @@ def module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migr
         yield instance
 
 
+# The tests that each start and finish runs of their own and leave Airflow's components as they
+# found them (none killed for good, no settings of their own) share one Airflow across files:
+# marked with this group, they run one after another on one worker (--dist loadgroup), and their
+# Airflow is stopped after the group's last test (pytest_runtest_teardown below), not kept to the
+# session's end, where its idle loops would cost about 4.5 s of CPU a minute.
+SHARED_AIRFLOW_GROUP = pytest.mark.xdist_group("shared_airflow")
+
+
+class _SharedAirflow:
+    """The shared Airflow, started on first use and again if asked for after a stop (a run without
+    pytest-xdist may put another file's tests between the group's)."""
+
+    def __init__(self):
+        self.stack = contextlib.ExitStack()
+        self.instance: Airflow | None = None
+
+    def get(self, *fixtures) -> Airflow:
+        if self.instance is None:
+            self.instance = self.stack.enter_context(module_airflow(*fixtures))
+        return self.instance
+
+    def stop(self) -> None:
+        self.instance = None
+        self.stack.close()
+
+
+_shared_airflow = _SharedAirflow()
+
+
 @pytest.fixture(scope="module")
 def shared_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database):
-    """One Airflow for a module's tests that each start and finish runs of their own and leave its
-    components alone (no kill, no settings of their own)."""
-    with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database) as instance:
-        yield instance
+    """One Airflow for the tests of SHARED_AIRFLOW_GROUP's files."""
+    return _shared_airflow.get(tmp_path_factory, pipeline_connections, postgres_server, migrated_database)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared Airflow after the last test that uses it, before the fixtures it stands on
+    (the session's PostgreSQL server) are torn down."""
+    if "shared_airflow" in item.fixturenames and (nextitem is None or "shared_airflow" not in nextitem.fixturenames):
+        _shared_airflow.stop()
 
 
 @pytest.fixture

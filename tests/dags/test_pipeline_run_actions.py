@@ -1,7 +1,8 @@
 """A user acting on a running fine-tune through the REST API, under Airflow's real scheduler: a run
 marked failed or success, the training sensor skipped, a task cleared after the run. The tests
-share one Airflow (they leave its components alone); a file of its own, so that they run beside
-the scheduler file's tests on another worker (tests/conftest.py deals out files)."""
+leave Airflow's components alone: they share one Airflow with the slice's (SHARED_AIRFLOW_GROUP);
+a file apart from the scheduler file's, so that they run beside its tests on another worker
+(tests/conftest.py deals out files)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import json
 import pytest
 
 from tests.dags import fault_tally
-from tests.dags.conftest import wait_for_run_end, wait_for_training_watched, wait_until
+from tests.dags.conftest import SHARED_AIRFLOW_GROUP, wait_for_run_end, wait_for_training_watched, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, SHARED_AIRFLOW_GROUP]
 
 STALLED_TRAINING = {"train_sft": {"stall_at_step": 3}}  # holds the sensor watching until the run ends
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.dags import fault_tally
-from tests.dags.conftest import wait_for_run_end, wait_until
+from tests.dags.conftest import SHARED_AIRFLOW_GROUP, wait_for_run_end, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, SHARED_AIRFLOW_GROUP]
 
 DAG_ID = "maxtext_sft_slice"
 RESERVATION = "local-slice-reservation"
