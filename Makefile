@@ -115,9 +115,12 @@ FLOOR_DESELECT ?= parses_without_network or create_that_fails or retried_create 
 	or silent_for_longer
 test-floor: dist system-deps
 	uv venv -q --allow-existing --python 3.11 $(FLOOR_VENV)
-	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q requirements-floor.lock  # no --compile-bytecode: 57 s of CPU for modules never imported
+	# No --compile-bytecode (57 s of CPU, mostly for modules never imported): the floor's processes
+	# write the bytecode of what they import, once, even where PYTHONDONTWRITEBYTECODE is set
+	# (measured on a fresh floor venv: 71 s of CPU -> 64 s).
+	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q requirements-floor.lock
 	VIRTUAL_ENV=$(FLOOR_VENV) uv pip install -q --no-deps --reinstall dist/maxtext_sft_airflow-*.whl
-	MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider -k "not ($(FLOOR_DESELECT))" $(FLOOR_TESTS)
+	env -u PYTHONDONTWRITEBYTECODE MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider -k "not ($(FLOOR_DESELECT))" $(FLOOR_TESTS)
 
 lock:
 	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock
