@@ -1,8 +1,9 @@
 """The pipeline under Airflow's real scheduler, for what dag.test() cannot do.
 
 Airflow runs as separate components (localcloud.airflow_harness) on the session's PostgreSQL
-server, on a database of its own per test: each kills a component or needs settings of its own.
-The tests that only act through the REST API share one Airflow in test_pipeline_run_actions.py;
+server, on a database of its own per test where it kills a component for good or needs settings
+of its own. The test whose Airflow comes back whole shares one with the files that only act
+through the REST API (SHARED_AIRFLOW_GROUP: test_pipeline_run_actions.py, test_pipeline_slice.py);
 the waits for capacity share one in test_pipeline_capacity.py."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.dags import fault_tally
-from tests.dags.conftest import wait_for_run_end, wait_for_training_watched, wait_until
+from tests.dags.conftest import SHARED_AIRFLOW_GROUP, wait_for_run_end, wait_for_training_watched, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -232,8 +233,10 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
 AUTOSTOP_MINUTES = 0.5
 
 
+# Its Airflow comes back whole: the files that only act through the REST API go on using it.
+@SHARED_AIRFLOW_GROUP
 def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returning_airflow_finishes_the_run(
-    airflow, local_cloud
+    shared_airflow, local_cloud
 ):
     """SIGKILL the scheduler and the triggerer mid-training: no poke checks the VM any more. The
     training runs to its end; autostop_idle_minutes later the VM shuts its guest down and the
@@ -245,6 +248,7 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
     from maxtext_sft.run.spec import RunSpec
 
+    airflow = shared_airflow
     fault_tally.fault_injected()
     bucket = "scheduler-autostop"
     local_cloud.create_bucket(bucket, exist_ok=True)
