@@ -1,6 +1,7 @@
 """Waits for capacity under Airflow's real scheduler, on one Airflow deployed as on Cloud Composer
 3: capacity without a reservation (docs/capacity.md), a queued flex-start request and a Spot run's
-preemptions, and a recovery while the reservation is full. A file of its own, so that its minutes
+preemptions, a recovery while the reservation is full, and the capacity gate's create started on
+the triggerer. A file of its own, so that its minutes
 run beside the scheduler file's on another worker (tests/conftest.py deals out files)."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from tests.conftest import REPO
 from tests.dags import fault_tally
 from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 from tests.plugins.test_capacity_gate import DAG_ID as GATE_DAG_ID
-from tests.plugins.test_capacity_gate import GATE_BUNDLE, compute, create, inserts_of, is_read_of, names, run_conf  # noqa: F401 - fixtures
-from tests.plugins.test_capacity_gate import add_reservation
+from tests.plugins.test_capacity_gate import (  # noqa: F401 - compute and names are fixtures
+    GATE_BUNDLE, add_reservation, compute, create, inserts_of, is_read_of, names, run_conf,
+)
 
 pytestmark = pytest.mark.e2e
 
