@@ -13,7 +13,6 @@ capacity gate makes the third run wait (deferred, holding no worker slot) instea
 from __future__ import annotations
 
 import json
-import os
 import urllib.parse
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -29,7 +28,7 @@ from localcloud.connections import LOCAL_HUB_USER, LOCAL_OUTPUTS_CONF, LOCAL_PRO
 from localcloud.smtp import MailReceiver, body_text
 from localcloud.webhook import WebhookReceiver
 from maxtext_sft.cloud.storage import StorageEndpointHook
-from tests.dags.conftest import airflow_on_fresh_database, wait_for_run_end, wait_until
+from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 from tests.dags.test_ui import ARTIFACTS, UI_TIMEOUT, chromium, save_artifact
 
 pytestmark = pytest.mark.e2e
@@ -89,15 +88,14 @@ def jobs_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrat
     root = tmp_path_factory.mktemp("declared-jobs")
     jobs, dags = write_jobs(root)
     with WebhookReceiver() as slack, MailReceiver() as smtp, WebhookReceiver() as webhook:
-        env = {
-            **pipeline_connections,
+        settings = {
             "MAXTEXT_SFT_JOBS_DIR": str(jobs),
             "AIRFLOW_CONN_TEAM_SLACK": slack.slack_connection_uri(SLACK_TOKEN),
             "AIRFLOW_CONN_TEAM_MAIL": smtp.connection_uri("airflow@example.com"),
             "AIRFLOW_CONN_TEAM_WEBHOOK": webhook.connection_uri(),
         }
-        with airflow_on_fresh_database(
-            root / "airflow-home", {**os.environ, **env}, postgres_server, migrated_database,
+        with module_airflow(
+            tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
             dags_folder=dags, dag_id="team_slack_job", users={USER: PASSWORD}, parallelism=6,
         ) as airflow:
             yield SimpleNamespace(airflow=airflow, slack=slack, smtp=smtp, webhook=webhook)

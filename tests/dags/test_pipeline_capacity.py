@@ -17,7 +17,7 @@ from tests.dags import fault_tally
 from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 from tests.plugins.test_capacity_gate import DAG_ID as GATE_DAG_ID
 from tests.plugins.test_capacity_gate import (  # noqa: F401 - compute and names are fixtures
-    GATE_BUNDLE, add_reservation, compute, create, inserts_of, is_read_of, names, run_conf,
+    BUNDLE_CONFIG_LIST, add_reservation, compute, create, inserts_of, is_read_of, names, run_conf,
 )
 
 pytestmark = pytest.mark.e2e
@@ -33,11 +33,10 @@ def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_da
     every 2 s (the triggers' first events after the tests' 10 s, not 60): each recovery's and the
     queue's waits are the cloud's, not the polls'. Beside the DAGs folder, a bundle of its own
     holds the capacity gate's one-task DAG (tests/plugins/capacity_gate_dags)."""
-    dags_folder = {"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}}
     settings = {
         "AIRFLOW__MAXTEXT_SFT__CAPACITY_POLL_SECONDS": "2",
         "MAXTEXT_SFT_JOBS_DIR": str(REPO / "include" / "jobs"),
-        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps([dags_folder, GATE_BUNDLE]),
+        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": BUNDLE_CONFIG_LIST,
     }
     with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
                         installed_package=wheel_site) as instance:
@@ -238,9 +237,7 @@ def test_under_the_scheduler_a_waiting_create_is_deferred_until_a_machine_is_fre
     compute.delete_instance(
         resource_id=other_run.vm_name, project_id=other_run.project_id, zone=other_run.zone, request_id=None
     )
-    run = wait_until(
-        lambda: (r := airflow.run(run_id, GATE_DAG_ID))["state"] in ("success", "failed") and r, 180, "the run to end"
-    )
+    run = wait_for_run_end(airflow, run_id, timeout=180, dag_id=GATE_DAG_ID)
 
     assert run["state"] == "success", airflow.task_states(run_id, GATE_DAG_ID)
     [insert] = inserts_of(local_cloud.requests(), ours.vm_name)

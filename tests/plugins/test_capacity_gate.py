@@ -32,6 +32,12 @@ GATE_BUNDLE = {
     "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
     "kwargs": {"path": str(BUNDLE)},
 }
+# Airflow's DAGs folder and the gate's bundle: for the dag.test() runs here and for the capacity
+# file's Airflow (tests/dags/test_pipeline_capacity.py).
+BUNDLE_CONFIG_LIST = json.dumps([
+    {"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}},
+    GATE_BUNDLE,
+])
 
 
 @pytest.fixture
@@ -39,8 +45,7 @@ def gate_dag(airflow_db, pipeline_connections, monkeypatch):
     """The one-task DAG, from a DAG bundle of its own (dag.test() runs only DAGs in a bundle)."""
     from airflow.dag_processing.dagbag import DagBag
 
-    dags_folder = {"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle", "kwargs": {}}
-    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([dags_folder, GATE_BUNDLE]))
+    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", BUNDLE_CONFIG_LIST)
     bag = DagBag(str(BUNDLE))
     assert bag.import_errors == {}
     return bag.dags[DAG_ID]
