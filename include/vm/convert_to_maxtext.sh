@@ -36,14 +36,45 @@ if [ -n "$cache_uri" ] && items=$(published_items "$cache_uri/COMPLETE.json"); t
   exit 0
 fi
 
-if checkpoint_committed "$output_dir/0/items"; then
+# What OUTPUT_DIR/0 holds: "committed" (a finished conversion), "partial" (what an interrupted
+# one left) or "empty". On GCS one listing tells the three apart (each gcloud call costs about a
+# second of CPU); a listing that fails counts as partial, so the removal is still tried.
+conversion_state() {
+  local names prefix
+  case "$1" in
+    gs://*/*) prefix="${1#gs://*/}/" ;;
+    *) prefix="" ;;
+  esac
+  case "$1" in
+    gs://*)
+      if ! names=$(gcloud storage objects list "$1/0/**" --format='value(name)' 2>/dev/null); then
+        echo partial
+      elif printf '%s\n' "$names" | grep -qxF -- "${prefix}0/items/commit_success.txt"; then
+        echo committed
+      elif [ -n "$names" ]; then
+        echo partial
+      else
+        echo empty
+      fi ;;
+    *)
+      if [ -d "$1/0/items" ]; then echo committed
+      elif [ -e "$1/0" ]; then echo partial
+      else echo empty
+      fi ;;
+  esac
+}
+
+state=$(conversion_state "$output_dir")
+if [ "$state" = committed ]; then
   echo "Checkpoint already converted in $output_dir"
 else
   # What an interrupted conversion left is not reused.
-  case "$output_dir" in
-    gs://*) gcloud storage rm --recursive "$output_dir/0" >/dev/null 2>&1 || true ;;
-    *) rm -rf -- "${output_dir:?}/0" ;;
-  esac
+  if [ "$state" = partial ]; then
+    case "$output_dir" in
+      gs://*) gcloud storage rm --recursive "$output_dir/0" >/dev/null 2>&1 || true ;;
+      *) rm -rf -- "${output_dir:?}/0" ;;
+    esac
+  fi
   activate_maxtext_venv "$work_dir"
   make_gcs_folder "$output_dir"
   python3 -m maxtext.checkpoint_conversion.to_maxtext "$@"

@@ -472,12 +472,17 @@ def reported(result) -> str:
     return re.findall(r"^MAXTEXT_SFT_RESULT base_checkpoint=(.*)$", result.stdout, re.M)[-1]
 
 
-def test_a_conversion_is_published_once_and_reused_by_the_next_run(storage_vms):
+def test_a_conversion_is_published_once_and_reused_by_the_next_run(storage_vms, tmp_path):
     first, second, bucket = storage_vms
     assert first.spec.base_checkpoint_cache == second.spec.base_checkpoint_cache
     cache = first.spec.base_checkpoint_cache.removeprefix(f"gs://{bucket.name}/")
-    converted_first = first.run("convert")
+    converted_first = first.run("convert", path_prefix=gcloud_recorder(tmp_path / "recorded"))
     items = reported(converted_first)
+    # Its folder was looked at with one listing, and with nothing in it nothing was removed.
+    calls = (tmp_path / "recorded" / "calls").read_text().splitlines()
+    assert [c.split()[:3] for c in calls if c.split()[:2] != ["storage", "cat"]] == [
+        ["storage", "objects", "list"], ["storage", "objects", "describe"], ["storage", "cp", "--if-generation-match=0"]
+    ], calls
     assert items == f"{first.spec.maxtext_checkpoint_dir}0/items"
     assert bucket.blob(f"{cache}/COMPLETE.json").exists()
     assert bucket.blob(items.removeprefix(f"gs://{bucket.name}/") + "/commit_success.txt").exists()
@@ -486,6 +491,26 @@ def test_a_conversion_is_published_once_and_reused_by_the_next_run(storage_vms):
     assert reported(reused) == items
     assert "converted before" in reused.stdout and "Converted checkpoint" not in reused.stdout
     assert not list(bucket.list_blobs(prefix=f"{cache}/attempts/{second.spec.run_name}/"))
+
+
+def test_a_retried_conversion_keeps_a_finished_checkpoint_and_clears_a_half_written_one(storage_vms):
+    # The run's own folder, before its marker was published (a retry of the task): a committed
+    # checkpoint there is used as it is; one without commit_success.txt is removed first.
+    first, second, bucket = storage_vms
+    cache = first.spec.base_checkpoint_cache.removeprefix(f"gs://{bucket.name}/")
+    items = reported(first.run("convert"))
+    bucket.blob(f"{cache}/COMPLETE.json").delete()
+    again = first.run("convert")
+    assert "Checkpoint already converted in" in again.stdout and "Converted checkpoint" not in again.stdout
+    assert reported(again) == items
+    bucket.blob(f"{cache}/COMPLETE.json").delete()
+    left = second.spec.maxtext_checkpoint_dir.removeprefix(f"gs://{bucket.name}/") + "0/items/half-written"
+    bucket.blob(left).upload_from_string("an interrupted conversion's object")
+    cleared = second.run("convert")
+    assert "Converted checkpoint" in cleared.stdout
+    assert reported(cleared) == f"{second.spec.maxtext_checkpoint_dir}0/items"
+    assert not bucket.blob(left).exists()
+    assert bucket.blob(reported(cleared).removeprefix(f"gs://{bucket.name}/") + "/commit_success.txt").exists()
 
 
 def test_of_two_concurrent_conversions_the_second_to_finish_adopts_the_first(storage_vms, tmp_path):
