@@ -279,9 +279,3 @@ def pytest_runtest_teardown(item, nextitem):
     if "shared_airflow" in item.fixturenames and (nextitem is None or "shared_airflow" not in nextitem.fixturenames):
         _shared_airflow.stop()
 
-
-@pytest.fixture
-def airflow(request, start_airflow):
-    """Airflow with the project's DAGs; a test's `airflow_config` marker adds settings to its environment."""
-    marker = request.node.get_closest_marker("airflow_config")
-    return start_airflow(marker.args[0] if marker else {})

@@ -1,10 +1,10 @@
 """The pipeline under Airflow's real scheduler, for what dag.test() cannot do.
 
 Airflow runs as separate components (localcloud.airflow_harness) on the session's PostgreSQL
-server, on a database of its own per test where it kills a component for good or needs settings
-of its own. The test whose Airflow comes back whole shares one with the files that only act
-through the REST API (SHARED_AIRFLOW_GROUP: test_pipeline_run_actions.py, test_pipeline_slice.py);
-the waits for capacity share one in test_pipeline_capacity.py."""
+server. The two tests that kill a component and need settings of their own share one Airflow on
+a database of its own; the test whose Airflow comes back whole shares one with the files that
+only act through the REST API (SHARED_AIRFLOW_GROUP: test_pipeline_run_actions.py,
+test_pipeline_slice.py); the waits for capacity share one in test_pipeline_capacity.py."""
 
 from __future__ import annotations
 
@@ -24,9 +24,166 @@ import pytest
 
 from tests.conftest import REPO
 from tests.dags import fault_tally
-from tests.dags.conftest import SHARED_AIRFLOW_GROUP, wait_for_run_end, wait_for_training_watched, wait_until
+from tests.dags.conftest import (
+    SHARED_AIRFLOW_GROUP, module_airflow, wait_for_run_end, wait_for_training_watched, wait_until,
+)
 
 pytestmark = pytest.mark.e2e
+
+HEARTBEAT_TIMEOUT_SECONDS = 15
+
+
+# The two tests that kill Airflow's components share one Airflow (its start costs half a minute
+# of two busy cores). A file's tests run on one worker in the file's order (tests/conftest.py):
+# the killed worker's test leaves its Airflow whole, then the killed scheduler's test never
+# restarts the scheduler and ends with the graceful stop.
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database):
+    """The kill tests' Airflow: a try whose heartbeats stop fails within seconds, and the training
+    sensor in reschedule mode (a poke is a task process on a worker, which the worker test kills;
+    the killed scheduler's test is indifferent to the mode)."""
+    settings = {
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_SECONDS),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+        "AIRFLOW__MAXTEXT_SFT__TRAINING_WAIT_DEFERRABLE": "false",
+    }
+    with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings) as instance:
+        yield instance
+
+
+def _marked_processes(home: Path) -> list[int]:
+    """Live processes started for this Airflow home (they carry the harness's mark)."""
+    from localcloud.airflow_harness import HOME_MARK
+
+    mark = f"{HOME_MARK}={home}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                if Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group has a live member (zombies waiting to be reaped do not count)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def _vm_name(airflow, run_id: str) -> str:
+    return wait_until(lambda: (airflow.xcom(run_id, "plan_run", "spec") or {}).get("vm_name"), 60, "the run's spec")
+
+
+def _instance_label(name: str, key: str) -> str:
+    from localcloud.connections import LOCAL_PROJECT
+    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+
+    instance = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default").get_instance(
+        resource_id=name, zone="us-east5-b", project_id=LOCAL_PROJECT
+    )
+    return instance.labels[key]
+
+
+# ----- a killed worker mid-training (issue 5's row that needs a scheduler) -------
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _connected_to(pid: int, ip: str, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to ip:port (read from /proc)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    remote = f"{socket.htonl(int(ipaddress.IPv4Address(ip))):08X}:{port:04X}"
+    for row in table:
+        fields = row.split()
+        if fields[2] == remote and fields[3] == "01" and f"socket:[{fields[9]}]" in inodes:  # 01: ESTABLISHED
+            return True
+    return False
+
+
+def _task_process(ti_id: str) -> int | None:
+    """The task runner of task instance `ti_id`: the Task SDK titles it `airflow worker -- TI_ID`;
+    its parent, the LocalExecutor worker that supervises it, `airflow worker -- LocalExecutor: TI_ID`."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _cmdline(int(name)) == f"airflow worker -- {ti_id}":
+            return int(name)
+    return None
+
+
+def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local_cloud):
+    """SIGKILL the worker and the task process while the sensor's poke waits for the VM's (frozen)
+    sshd (the sensor in reschedule mode, as the slice's is): the scheduler fails the try by its
+    missing heartbeat, the retry watches on, the run succeeds and the VM is deleted."""
+    from localcloud.connections import LOCAL_RUN_CONF
+
+    fault_tally.fault_injected()
+    local_cloud.clear_requests()
+    # Training outlasts the kill and the heartbeat timeout; a poke waits up to 2 min for a banner.
+    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"seconds_per_step": 1.0}))
+    conf = {**LOCAL_RUN_CONF, "steps": 60, "ssh_connect_timeout_seconds": 120}
+    vm_name = None
+    try:
+        run_id = airflow.trigger(conf)
+        wait_for_training_watched(airflow, run_id)
+        [vm] = local_cloud.vms()
+        vm_name, vm_ip = vm["name"], vm["ip"]
+        local_cloud.set_sshd_paused(vm_name, True)  # the next poke blocks in SSH connect
+
+        def sensor_in_ssh_connect():
+            ti = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+            pid = _task_process(ti["id"]) if ti["state"] == "running" else None
+            return pid and _connected_to(pid, vm_ip, 22) and (ti, pid)
+
+        killed_ti, task_pid = wait_until(sensor_in_ssh_connect, 120, "a poke to wait in SSH connect")
+        worker_pid = _parent(task_pid)
+        assert _cmdline(worker_pid) == f"airflow worker -- LocalExecutor: {killed_ti['id']}"
+        # The supervisor first, so nothing reports the task's end; then the task's own group.
+        os.kill(worker_pid, signal.SIGKILL)
+        os.killpg(task_pid, signal.SIGKILL)
+        wait_until(lambda: _task_process(killed_ti["id"]) is None, 30, "the task process to die")
+        local_cloud.set_sshd_paused(vm_name, False)
+
+        final = wait_for_run_end(airflow, run_id, timeout=420)
+    finally:
+        local_cloud.set_vm_file("maxtext-faults.json", "{}")
+    leaked = local_cloud.vms()
+    fault_tally.vms_left(leaked)
+    assert leaked == []
+    states = airflow.task_states(run_id)
+    assert final["state"] == "success", states
+    sensor = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
+    assert sensor["try_number"] == killed_ti["try_number"] + 1
+    # The scheduler's record that it failed the try for its missing heartbeat.
+    query = {"dag_id": "maxtext_sft", "run_id": run_id, "task_id": "wait_for_final_checkpoint", "event": "heartbeat timeout"}
+    timeouts = airflow.get(f"/api/v2/eventLogs?{urllib.parse.urlencode(query)}")
+    assert [entry["try_number"] for entry in timeouts["event_logs"]] == [killed_ti["try_number"]], timeouts
+    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
+    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
+    assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
 def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
@@ -82,152 +239,6 @@ def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
     airflow.stop()
     assert not any(_group_alive(pgid) for pgid in groups.values())
     assert _marked_processes(airflow.home) == []
-
-
-def _marked_processes(home: Path) -> list[int]:
-    """Live processes started for this Airflow home (they carry the harness's mark)."""
-    from localcloud.airflow_harness import HOME_MARK
-
-    mark = f"{HOME_MARK}={home}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
-                if Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process group has a live member (zombies waiting to be reaped do not count)."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-    return False
-
-
-def _vm_name(airflow, run_id: str) -> str:
-    return wait_until(lambda: (airflow.xcom(run_id, "plan_run", "spec") or {}).get("vm_name"), 60, "the run's spec")
-
-
-def _instance_label(name: str, key: str) -> str:
-    from localcloud.connections import LOCAL_PROJECT
-    from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
-
-    instance = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default").get_instance(
-        resource_id=name, zone="us-east5-b", project_id=LOCAL_PROJECT
-    )
-    return instance.labels[key]
-
-
-# ----- a killed worker mid-training (issue 5's row that needs a scheduler) -------
-
-HEARTBEAT_TIMEOUT_SECONDS = 15
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _parent(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def _connected_to(pid: int, ip: str, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to ip:port (read from /proc)."""
-    try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
-    except OSError:
-        return False
-    remote = f"{socket.htonl(int(ipaddress.IPv4Address(ip))):08X}:{port:04X}"
-    for row in table:
-        fields = row.split()
-        if fields[2] == remote and fields[3] == "01" and f"socket:[{fields[9]}]" in inodes:  # 01: ESTABLISHED
-            return True
-    return False
-
-
-def _task_process(ti_id: str) -> int | None:
-    """The task runner of task instance `ti_id`: the Task SDK titles it `airflow worker -- TI_ID`;
-    its parent, the LocalExecutor worker that supervises it, `airflow worker -- LocalExecutor: TI_ID`."""
-    for name in os.listdir("/proc"):
-        if name.isdigit() and _cmdline(int(name)) == f"airflow worker -- {ti_id}":
-            return int(name)
-    return None
-
-
-@pytest.mark.airflow_config(
-    {
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_SECONDS),
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
-        # The training sensor in reschedule mode: deferred, no worker pokes mid-training.
-        "AIRFLOW__MAXTEXT_SFT__TRAINING_WAIT_DEFERRABLE": "false",
-    }
-)
-def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local_cloud):
-    """SIGKILL the worker and the task process while the sensor's poke waits for the VM's (frozen)
-    sshd (the sensor in reschedule mode, as the slice's is): the scheduler fails the try by its
-    missing heartbeat, the retry watches on, the run succeeds and the VM is deleted."""
-    from localcloud.connections import LOCAL_RUN_CONF
-
-    fault_tally.fault_injected()
-    local_cloud.clear_requests()
-    # Training outlasts the kill and the heartbeat timeout; a poke waits up to 2 min for a banner.
-    local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"seconds_per_step": 1.0}))
-    conf = {**LOCAL_RUN_CONF, "steps": 60, "ssh_connect_timeout_seconds": 120}
-    vm_name = None
-    try:
-        run_id = airflow.trigger(conf)
-        wait_for_training_watched(airflow, run_id)
-        [vm] = local_cloud.vms()
-        vm_name, vm_ip = vm["name"], vm["ip"]
-        local_cloud.set_sshd_paused(vm_name, True)  # the next poke blocks in SSH connect
-
-        def sensor_in_ssh_connect():
-            ti = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
-            pid = _task_process(ti["id"]) if ti["state"] == "running" else None
-            return pid and _connected_to(pid, vm_ip, 22) and (ti, pid)
-
-        killed_ti, task_pid = wait_until(sensor_in_ssh_connect, 120, "a poke to wait in SSH connect")
-        worker_pid = _parent(task_pid)
-        assert _cmdline(worker_pid) == f"airflow worker -- LocalExecutor: {killed_ti['id']}"
-        # The supervisor first, so nothing reports the task's end; then the task's own group.
-        os.kill(worker_pid, signal.SIGKILL)
-        os.killpg(task_pid, signal.SIGKILL)
-        wait_until(lambda: _task_process(killed_ti["id"]) is None, 30, "the task process to die")
-        local_cloud.set_sshd_paused(vm_name, False)
-
-        final = wait_for_run_end(airflow, run_id, timeout=420)
-    finally:
-        local_cloud.set_vm_file("maxtext-faults.json", "{}")
-    leaked = local_cloud.vms()
-    fault_tally.vms_left(leaked)
-    assert leaked == []
-    states = airflow.task_states(run_id)
-    assert final["state"] == "success", states
-    sensor = airflow.get(f"/api/v2/dags/maxtext_sft/dagRuns/{run_id}/taskInstances/wait_for_final_checkpoint")
-    assert sensor["try_number"] == killed_ti["try_number"] + 1
-    # The scheduler's record that it failed the try for its missing heartbeat.
-    query = {"dag_id": "maxtext_sft", "run_id": run_id, "task_id": "wait_for_final_checkpoint", "event": "heartbeat timeout"}
-    timeouts = airflow.get(f"/api/v2/eventLogs?{urllib.parse.urlencode(query)}")
-    assert [entry["try_number"] for entry in timeouts["event_logs"]] == [killed_ti["try_number"]], timeouts
-    assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == 60
-    deletes = [r for r in local_cloud.requests() if r["method"] == "DELETE"]
-    assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
 AUTOSTOP_MINUTES = 0.5
