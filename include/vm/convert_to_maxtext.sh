@@ -40,16 +40,12 @@ fi
 # one left) or "empty". On GCS one listing tells the three apart (each gcloud call costs about a
 # second of CPU); a listing that fails counts as partial, so the removal is still tried.
 conversion_state() {
-  local names prefix
-  case "$1" in
-    gs://*/*) prefix="${1#gs://*/}/" ;;
-    *) prefix="" ;;
-  esac
+  local names
   case "$1" in
     gs://*)
       if ! names=$(gcloud storage objects list "$1/0/**" --format='value(name)' 2>/dev/null); then
         echo partial
-      elif printf '%s\n' "$names" | grep -qxF -- "${prefix}0/items/commit_success.txt"; then
+      elif printf '%s\n' "$names" | grep -qxF -- "$(object_name "$1/0/items/commit_success.txt")"; then
         echo committed
       elif [ -n "$names" ]; then
         echo partial
@@ -57,11 +53,17 @@ conversion_state() {
         echo empty
       fi ;;
     *)
-      if [ -d "$1/0/items" ]; then echo committed
+      if checkpoint_committed "$1/0/items"; then echo committed
       elif [ -e "$1/0" ]; then echo partial
       else echo empty
       fi ;;
   esac
+}
+
+# The object name in a gs://BUCKET/NAME URI.
+object_name() {
+  local path=${1#gs://}
+  printf '%s\n' "${path#*/}"
 }
 
 state=$(conversion_state "$output_dir")

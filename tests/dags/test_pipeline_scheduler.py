@@ -186,6 +186,8 @@ def test_a_worker_killed_mid_poke_is_retried_and_the_run_succeeds(airflow, local
     assert len(deletes) == 1 and deletes[0]["status"] == 200
 
 
+# ----- a killed scheduler mid-training (last on this Airflow: it is never restarted) -------
+
 def test_a_scheduler_killed_mid_training_leaves_no_vm(airflow, local_cloud):
     """SIGKILL the scheduler mid-training of two runs and never restart it: each VM must still go,
     one by its maxRunDuration (the cloud's lifetime), the other (its lifetime left to Airflow) by
