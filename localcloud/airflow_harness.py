@@ -118,6 +118,7 @@ class Airflow:
         users: dict[str, str] | None = None,
         database_migrated: bool = False,
         installed_package: Path | None = None,
+        site_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.home = Path(home).resolve()
         self.port = free_port()
@@ -138,6 +139,9 @@ class Airflow:
         # folder, as on Cloud Composer 3, whose scheduler and triggerer load no plugins folder.
         # None: this repository's plugins/ is the plugins folder and on the path (compose, Astro).
         self.installed_package = Path(installed_package) if installed_package else None
+        # Folders put first on the components' PYTHONPATH: a sitecustomize.py in one runs at the
+        # start of every Python process of this Airflow (the tests tune the garbage collector so).
+        self.site_dirs = tuple(Path(folder) for folder in site_dirs)
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
         self._env: dict[str, str] | None = None
@@ -349,7 +353,7 @@ class Airflow:
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             # As in a deployment: plugins/ is importable, or the installed package is.
-            "PYTHONPATH": str(self.installed_package or REPO / "plugins"),
+            "PYTHONPATH": os.pathsep.join(map(str, (*self.site_dirs, self.installed_package or REPO / "plugins"))),
         }
         if self.celery_broker_url:
             env.update(self._celery_env())

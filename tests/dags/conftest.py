@@ -17,7 +17,7 @@ import pytest
 
 from localcloud.airflow_harness import Airflow
 from localcloud.connections import LOCAL_RUN_CONF
-from tests.conftest import REPO
+from tests.conftest import GC_THRESHOLDS, REPO
 
 
 @dataclasses.dataclass
@@ -184,7 +184,11 @@ AIRFLOW_TEST_SETTINGS = {
     # at 2 s, measured); a loop that finds work runs the next at once, so a run's tasks still
     # follow each other without waiting, and a task's end is seen within 2 s.
     "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "2",
+    # The session's garbage-collector thresholds (tests/conftest.py), set by tests/airflow_site.
+    "TESTS_GC_THRESHOLDS": ",".join(map(str, GC_THRESHOLDS)),
 }
+# Put first on the PYTHONPATH of every test Airflow's components.
+AIRFLOW_SITE = REPO / "tests" / "airflow_site"
 
 
 # At a test's end nothing waits on Airflow's graceful exit (measured: 13 s for the scheduler,
@@ -199,7 +203,8 @@ def airflow_on_fresh_database(home, env: dict, postgres_server, migrated_databas
     """Airflow started on a fresh copy of the migrated database, with AIRFLOW_TEST_SETTINGS under
     `env`; stopped, and the copy dropped, at exit."""
     database, url = migrated_database(prefix)
-    instance = Airflow(home, {**AIRFLOW_TEST_SETTINGS, **env}, database_url=url, database_migrated=True, **options)
+    instance = Airflow(home, {**AIRFLOW_TEST_SETTINGS, **env}, database_url=url, database_migrated=True,
+                       site_dirs=(AIRFLOW_SITE,), **options)
     try:
         instance.start()
         yield instance
