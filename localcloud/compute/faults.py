@@ -24,7 +24,8 @@ class Faults:
 
     The body maps each fault kind to one rule (a JSON object) or a list of rules. A rule may
     carry `count`: it applies to the next N matching calls, then switches off; without `count`
-    it applies once (except `insert_fails_after_accept`, which then stays on until replaced).
+    it applies once (except `insert_fails_after_accept` and `max_run_duration_refused`, which then
+    stay on until replaced).
     Rules of the per-instance kinds may carry `name_regex`: they only apply to instances whose
     name it matches (re.search). Unknown kinds, unknown keys and bad values are refused (400).
 
@@ -96,6 +97,14 @@ class Faults:
         out the 90 s the API's shortest request lasts). Other provisioning models ignore the rule
         (it is not used up).
 
+    max_run_duration_refused  {"provisioning_models": ["RESERVATION_BOUND"], "name_regex", "count"}
+        instances.insert of a body whose scheduling has a maxRunDuration and one of these
+        provisioning models (default: RESERVATION_BOUND) fails synchronously with 400 invalid
+        "Invalid value for field 'resource.scheduling.maxRunDuration': '{ "seconds": "N"}'.
+        max-run-duration for given provisioning model is not supported" (the shape's source:
+        error_catalog.RUN_DURATION_NOT_SUPPORTED). Without `count` it stays on until replaced: it
+        plays an API that never takes the field, not a passing fault. Bodies without the field pass.
+
     host_key_mismatch  {"name_regex", "count"}
         The next VM(s) created publish, in their guest attributes (hostkeys/), an Ed25519 host
         key that is not their sshd's: what a client sees when something else answers at the
@@ -104,7 +113,7 @@ class Faults:
 
     PER_INSTANCE = {
         "insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout", "host_key_mismatch",
-        "flex_start_wait",
+        "flex_start_wait", "max_run_duration_refused",
     }
     OPERATIONS = ("insert", "delete")
 
@@ -249,6 +258,15 @@ class Faults:
         Faults._keys(rule, {"name_regex"})
         Faults._regex(rule, "name_regex")
 
+    @staticmethod
+    def _check_max_run_duration_refused(rule: dict) -> None:
+        Faults._keys(rule, {"provisioning_models", "name_regex"})
+        Faults._regex(rule, "name_regex")
+        models = rule.get("provisioning_models", ["RESERVATION_BOUND"])
+        known = ("STANDARD", "SPOT", "FLEX_START", "RESERVATION_BOUND")
+        if not isinstance(models, list) or not models or any(model not in known for model in models):
+            raise ValueError(f"'provisioning_models' must be a non-empty list of {list(known)}")
+
     KINDS = {
         "insert_fails_after_accept": _check_insert_fails_after_accept,
         "http_errors": _check_http_errors,
@@ -259,9 +277,10 @@ class Faults:
         "ssh_banner_timeout": _check_sshd,
         "host_key_mismatch": _check_host_key_mismatch,
         "flex_start_wait": _check_flex_start_wait,
+        "max_run_duration_refused": _check_max_run_duration_refused,
     }
     # Kinds whose rules without `count` stay on until replaced (kept as it always was).
-    STICKY = {"insert_fails_after_accept"}
+    STICKY = {"insert_fails_after_accept", "max_run_duration_refused"}
 
     def replace(self, settings: object) -> dict:
         if not isinstance(settings, dict):

@@ -32,7 +32,7 @@ from .resources import (
 )
 from .scheduling import (
     FLEX_START_MIN_PENDING_SECONDS, check_capacity_model, check_host_maintenance, check_reservation_bound,
-    request_valid_for, stored_scheduling,
+    refuse_run_duration, request_valid_for, stored_scheduling,
 )
 from .vm import SandboxVM
 
@@ -126,6 +126,15 @@ class InstanceResources(Operations):
                 raise errors.already_exists(path)
             resource, image_dir = self._new_instance_resource(project, zone, body)
             scheduling = resource["scheduling"]
+            requested = body.get("scheduling") or {}
+            refusal = self.faults.take(
+                "max_run_duration_refused",
+                lambda rule: requested.get("maxRunDuration") is not None
+                and requested.get("provisioningModel", "STANDARD") in rule.get("provisioning_models", ["RESERVATION_BOUND"]),
+                name=name,
+            )
+            if refusal is not None:  # a rule of no settings is {}
+                refuse_run_duration(requested, refusal.get("provisioning_models", ["RESERVATION_BOUND"]))
             if rejection := self.faults.take("insert_rejected", name=name):
                 raise self._insert_rejection(rejection, project, zone, body)
             try:

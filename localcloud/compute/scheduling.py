@@ -3,6 +3,7 @@ terminationTime, with an instanceTerminationAction), of host maintenance for TPU
 reservation-bound provisioning model, and the stored field with its defaults.
 
 Owns: stored_scheduling, check_host_maintenance, check_reservation_bound, check_capacity_model,
+refuse_run_duration,
 request_valid_for, is_spot, MIN_RUN_SECONDS, MAX_RUN_SECONDS, FLEX_START_MIN_RUN_SECONDS,
 FLEX_START_MAX_RUN_SECONDS, FLEX_START_MAX_WAIT_SECONDS, FLEX_START_MIN_PENDING_SECONDS. Imports
 catalog, errors, resources and reservations (RESERVATION_NAME_KEY); no state.
@@ -14,6 +15,7 @@ import copy
 import time
 
 from . import catalog, errors
+from .error_catalog import RUN_DURATION_NOT_SUPPORTED, duration_value
 from .errors import ApiError
 from .reservations import RESERVATION_NAME_KEY
 from .resources import parse_rfc3339
@@ -265,3 +267,13 @@ def check_capacity_model(requested: dict, scheduling: dict, affinity: dict, body
             body["params"]["requestValidForDuration"].get("seconds"),
             "The request valid for duration must be between 0 seconds and 2 hours.",
         )
+
+
+def refuse_run_duration(requested: dict, models: list[str], field: str = "resource.scheduling") -> None:
+    """The refusal of a time limit with a provisioning model in `models` (Faults
+    `max_run_duration_refused`: a test's switch, not a rule of the API's that a source shows; the
+    shape and its source: error_catalog.RUN_DURATION_NOT_SUPPORTED). A body without one passes."""
+    duration = requested.get("maxRunDuration")
+    if duration is None or requested.get("provisioningModel", "STANDARD") not in models:
+        return
+    raise errors.invalid_field_value(f"{field}.maxRunDuration", duration_value(duration), RUN_DURATION_NOT_SUPPORTED)
