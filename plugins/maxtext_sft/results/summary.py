@@ -20,6 +20,11 @@ from maxtext_sft.run.names import ledger_entry_number, ledger_resumed_name
 FAILURE_KEY = "failure"
 # XCom key of a task's phase record: {"started", "ended", "try_number", "state"} (ISO times, UTC).
 PHASE_KEY = "phase"
+# XCom key of create_vm: the insert-body fields the cloud refused, without which the VM was made
+# (cloud.instances.UNSOURCED_FIELDS' API names, e.g. ["scheduling.maxRunDuration"]; empty: none).
+REFUSED_FIELDS_KEY = "refused_fields"
+# The instance label the janitor reads (cloud.instances.EXPIRY_LABEL; not imported: no cloud client here).
+EXPIRY_LABEL = "expires-at"
 # Task states in which create_vm has started at least once, so a VM may have existed.
 STARTED_STATES = {"running", "success", "failed", "up_for_retry", "up_for_reschedule", "restarting", "deferred"}
 # States of a task that never ran because an earlier one failed (or a user marked the run failed).
@@ -169,6 +174,63 @@ def recovery_rows(ledger: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
     return sorted(rows, key=lambda row: row["recovery"] or 0)
 
 
+def backstops(
+    spec: Mapping[str, Any] | None, instance: Mapping[str, Any] | None, refused: Sequence[str] | None
+) -> dict[str, dict[str, Any]] | None:
+    """What ends the VM if the run's teardown never does, as they stood for this run: the
+    cloud-enforced lifetime (the instance's scheduling.maxRunDuration with its termination action,
+    as create_vm's XCom `instance` shows it: absent if the cloud refused it, `refused` says so),
+    the VM's autostop watchdog (it stops itself when idle) and the janitor DAG (it deletes a VM
+    past its expiry label). None without a spec (no VM was planned)."""
+    if not spec:
+        return None
+    instance = instance if isinstance(instance, Mapping) else None  # a slice's create returns its hosts
+    scheduling = (instance or {}).get("scheduling") or {}
+    duration = scheduling.get("max_run_duration") or {}
+    seconds = int(duration.get("seconds") or 0) or None
+    if seconds:
+        why = None
+    elif refused and "scheduling.maxRunDuration" in refused:
+        why = "Compute Engine refused scheduling.maxRunDuration with this provisioning model: the VM was made without it"
+    elif spec.get("tpu_slice"):
+        why = "none on a slice's hosts (the group would re-create a host the limit deleted)"
+    elif not spec.get("cloud_enforced_lifetime", True):
+        why = "cloud_enforced_lifetime is off"
+    elif instance is None:
+        why = "unknown (create_vm left no instance)"
+    else:
+        why = "the VM has none"
+    expires = ((instance or {}).get("labels") or {}).get(EXPIRY_LABEL)
+    return {
+        "cloud_lifetime": {
+            "in_force": bool(seconds),
+            "max_run_duration_seconds": seconds,
+            "termination_action": scheduling.get("instance_termination_action") if seconds else None,
+            "why_not": why,
+        },
+        "autostop": {"in_force": True, "idle_minutes": spec.get("autostop_idle_minutes")},
+        "janitor": {
+            "in_force": bool(expires),
+            "expires_at": (
+                datetime.fromtimestamp(int(expires), timezone.utc).isoformat() if expires and expires.isdigit() else None
+            ),
+        },
+    }
+
+
+def backstops_text(found: Mapping[str, Mapping[str, Any]]) -> str:
+    """The backstops' line in the summary's text."""
+    lifetime, autostop, janitor = found["cloud_lifetime"], found["autostop"], found["janitor"]
+    parts = [
+        f"cloud-enforced lifetime {format_duration(lifetime['max_run_duration_seconds'])} "
+        f"({lifetime['termination_action']})" if lifetime["in_force"] else f"no cloud-enforced lifetime ({lifetime['why_not']})",
+        f"the VM's autostop after {autostop['idle_minutes']:g} idle minutes" if autostop["idle_minutes"] else "the VM's autostop",
+        f"the janitor DAG after {_clock(janitor['expires_at'])} (its expiry label), when it runs"
+        if janitor["expires_at"] else "no expiry label for the janitor DAG",
+    ]
+    return "Backstops if the teardown never runs: " + "; ".join(parts)
+
+
 def build_summary(
     *,
     dag_id: str,
@@ -189,6 +251,7 @@ def build_summary(
     instance_created_at: str | None = None,
     instance_started_at: str | None = None,
     rehearsal_checks: Sequence[Mapping[str, str]] | None = None,
+    backstops: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The summary as a dict (the task's XCom, run-summary.json). Only named fields are copied
     from the spec, the training's result and the run record: nothing else of theirs can leak in."""
@@ -242,6 +305,7 @@ def build_summary(
         "published": dict(published) if published else None,
         "recoveries": [dict(row) for row in recoveries],
         "preemptions": sum(1 for row in recoveries if row.get("preempted")),
+        "backstops": dict(backstops) if backstops else None,
         **({"rehearsal_checks": [dict(row) for row in rehearsal_checks]} if rehearsal_checks is not None else {}),
         "tasks": asdict(tasks),
         "warnings": warnings,
@@ -313,6 +377,8 @@ def render_text(summary: Mapping[str, Any]) -> str:
             f"VM {name}: lifetime {format_duration(vm['lifetime_seconds'])} ({span}), "
             f"{vm['vm_hours']:.3f} VM-hours, estimated cost {cost}" + (f"; {wait}" if wait else "")
         )
+    if summary.get("backstops") and vm["existed"]:
+        lines.append(backstops_text(summary["backstops"]))
     for row in summary.get("recoveries") or ():
         lost = "steps lost unknown" if row["steps_lost"] is None else f"{row['steps_lost']} steps lost"
         minutes = "" if row["vm_minutes_to_resume"] is None else f", {row['vm_minutes_to_resume']:.1f} VM-minutes to resume"

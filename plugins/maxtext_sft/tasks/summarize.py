@@ -11,7 +11,9 @@ from airflow.sdk import TaskGroup, task
 from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.results.rehearsal import rehearsal_checks
 from maxtext_sft.results.outputs import RUN_SUMMARY_NAME
-from maxtext_sft.results.summary import PHASE_KEY, SummaryTasks, build_summary, recovery_rows, render_text
+from maxtext_sft.results.summary import (
+    PHASE_KEY, REFUSED_FIELDS_KEY, SummaryTasks, backstops, build_summary, recovery_rows, render_text,
+)
 from maxtext_sft.run.spec import RunSpec
 from maxtext_sft.vm.remake import VmRemake
 
@@ -71,6 +73,11 @@ def gather_summary(context, spec: dict | None, tasks: SummaryTasks, gcp_conn_id:
         # starts): the instance create_vm returned. (A slice's create returns its hosts instead:
         # the group's first start stands in.)
         **_instance_times(ti.xcom_pull(task_ids=tasks.create_vm)),
+        # What ends the VM if the teardown never does: the instance create_vm returned, and the
+        # fields the cloud refused (its XCom).
+        backstops=backstops(
+            spec, ti.xcom_pull(task_ids=tasks.create_vm), ti.xcom_pull(task_ids=tasks.create_vm, key=REFUSED_FIELDS_KEY)
+        ),
         rehearsal_checks=_rehearsal_checks(ti, states, spec, gcp_conn_id) if spec and RunSpec.from_dict(spec).rehearsal else None,
     )
 
