@@ -26,7 +26,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import StartTriggerArgs
 from maxtext_sft.cloud.errors import Action, OperationFailed, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, endpoint_hook_for
-from maxtext_sft.cloud.instances import adoptable_instance, insert_request_id, with_expiry_label
+from maxtext_sft.cloud.instances import adoptable_instance, insert_request_id, insert_with_fallback, with_expiry_label
+from maxtext_sft.results.summary import REFUSED_FIELDS_KEY
 from maxtext_sft.ui.task_links import VmConsoleLink
 from maxtext_sft.cloud.trigger_start import xcom_arg_template
 from maxtext_sft.cloud.capacity import (
@@ -215,7 +216,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
         the insert was accepted may leave an instance: the next create (after the wait, or a
         retry) deletes it first (`adoptable_instance`), and delete_vm does whatever happens."""
         try:
-            return self._create_instance(hook, context)
+            return self._create_without_refused_fields(hook, context)
         except Exception as error:
             verdict = classify(error)
             if self.waits_out_stockouts is True and waits_for_capacity(verdict, waits_out_stockouts=True):
@@ -232,6 +233,22 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
                 f"Compute Engine refused to create {self.resource_id}: {verdict} "
                 "(not retried: retrying cannot change this)"
             ) from error
+
+    def _create_without_refused_fields(self, hook: ComputeEngineEndpointHook, context) -> dict:
+        """The create, once more without a field the cloud refused that no public source says it
+        accepts (cloud.instances.UNSOURCED_FIELDS); which ones, under XCom REFUSED_FIELDS_KEY for
+        the run summary."""
+
+        def create(body: dict, request_id: str | None) -> dict:
+            self.body, self.request_id = body, request_id
+            return self._create_instance(hook, context)
+
+        where = {"resource_id": self.resource_id, "project_id": self.project_id, "zone": self.zone}
+        created, refused = insert_with_fallback(
+            create, self.body, self.request_id, self.log, before_again=lambda: adoptable_instance(hook, where, self.log)
+        )
+        context["ti"].xcom_push(key=REFUSED_FIELDS_KEY, value=[field.api_name for field in refused])
+        return created
 
     def _wait_for_capacity(self, deadline: float | None, count: int, refusal: str | None = None) -> NoReturn:
         """Defer until the reservation has a machine free; fail once the deadline has passed

@@ -22,7 +22,7 @@ from google.api_core.exceptions import NotFound
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from maxtext_sft.cloud.errors import Action, classify, waits_for_capacity
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
-from maxtext_sft.cloud.instances import adoptable_instance, with_expiry_label
+from maxtext_sft.cloud.instances import adoptable_instance, insert_with_fallback, with_expiry_label
 from maxtext_sft.run.spec import RunSpec
 from maxtext_sft.cloud.capacity import ReservationCapacityTrigger, StockoutWaitTrigger, stockout_pause
 from maxtext_sft.vm.access import SshLoginProbe, start_autostop
@@ -90,7 +90,11 @@ class VmRemake:
         # long as it is queued: it is not waited for (the pokes see the VM PENDING, then booting).
         insert = hook.start_insert_instance if spec.queued_insert else hook.insert_instance
         try:
-            insert(body=body, zone=spec.zone, project_id=spec.project_id, request_id=str(uuid.uuid4()))
+            # Without a field the cloud refuses, as create_vm does (cloud.instances.UNSOURCED_FIELDS).
+            insert_with_fallback(
+                lambda body, request_id: insert(body=body, zone=spec.zone, project_id=spec.project_id, request_id=request_id),
+                body, str(uuid.uuid4()), self.log, before_again=lambda: adoptable_instance(hook, self._where, self.log),
+            )
         except Exception as error:
             verdict = classify(error)
             if waits_for_capacity(verdict, waits_out_stockouts=spec.waits_out_stockouts):
