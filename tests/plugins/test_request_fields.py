@@ -114,6 +114,16 @@ def test_a_refused_lifetime_on_a_reservation_bound_vm_is_dropped_once_keeping_th
     assert "the VM's autostop, the janitor's expiry label, the teardown" in said
 
 
+def test_a_spot_vm_falls_back_the_same_way_keeping_its_delete_action():
+    insert, calls = recording(BadRequest(REFUSAL, errors=[{"message": REFUSAL, "reason": "invalid"}]))
+    body = spec_for("spot", max_run_duration_minutes=120).instance_body()
+    assert insert_with_fallback(insert, body, "r", Log())[1] == [CLOUD_LIFETIME]
+    assert calls[1][0]["scheduling"] == {
+        "automatic_restart": False, "instance_termination_action": "DELETE", "on_host_maintenance": "TERMINATE",
+        "preemptible": True, "provisioning_model": "SPOT",
+    }  # what gcloud 528 sends for the Spot create (tests/fixtures/gcloud-capacity-requests.json)
+
+
 def test_other_refusals_and_other_models_are_not_second_guessed():
     other = BadRequest("x", errors=[{"message": "Invalid value for field 'resource.machineType': 'x'. y", "reason": "invalid"}])
     insert, calls = recording(other)
