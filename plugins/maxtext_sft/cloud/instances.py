@@ -87,8 +87,8 @@ class UnsourcedField:
         return scheduling.get("provisioning_model") in self.provisioning_models and _at(body, self.path) is not None
 
     def without(self, body: dict) -> dict:
-        """The body without the field (a copy); what only makes sense with it goes too (nothing
-        yet: a reservation-bound VM keeps the tutorial's DELETE termination action, as gcloud sends it)."""
+        """The body without the field (a copy). Only the field: a reservation-bound or Spot VM keeps
+        its DELETE termination action, which gcloud sends for both without a time limit."""
         stripped = copy.deepcopy(body)
         parent = _at(stripped, self.path[:-1])
         parent.pop(self.path[-1], None)
@@ -110,7 +110,7 @@ CLOUD_LIFETIME = UnsourcedField(
     path=("scheduling", "max_run_duration"),
     api_name="scheduling.maxRunDuration",
     provisioning_models=frozenset({"RESERVATION_BOUND", "SPOT"}),
-    what_it_does="the cloud-enforced lifetime",
+    what_it_does="cloud-enforced lifetime",
 )
 UNSOURCED_FIELDS: tuple[UnsourcedField, ...] = (CLOUD_LIFETIME,)
 
