@@ -191,7 +191,8 @@ class LocalCloud:
         return f"{self.base_url}/"
 
     def oslogin_requests(self) -> list[dict]:
-        """The OS Login API's request log: [{time, method, path, query, body, status, user_agent}]."""
+        """The OS Login API's request log: [{time, method, path, query, body, status, user_agent,
+        api_client (x-goog-api-client: a Cloud client library's client_info)}]."""
         return self._control("GET", "oslogin/requests")
 
     def clear_oslogin_requests(self) -> None:

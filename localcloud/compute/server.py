@@ -247,6 +247,8 @@ class Handler(BaseHTTPRequestHandler):
             "time": now_rfc3339(), "method": method, "path": path,
             "query": {k: v[0] if len(v) == 1 else v for k, v in query.items()},
             "body": body, "status": status, "user_agent": self.headers.get("User-Agent", ""),
+            # The Cloud client libraries' own header: their client_info's user agent goes there.
+            "api_client": self.headers.get("x-goog-api-client", ""),
         })
         data = json.dumps(payload).encode()
         self.send_response(status)
