@@ -20,15 +20,11 @@ directive reads only ~/.ssh/authorized_keys.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
-import struct
-import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-log = logging.getLogger(__name__)
+from ..guest_socket import ShimListener
 
 SHIM_NAME = "google_authorized_keys"
 SOCKET_FILE = "oslogin-socket"  # the abstract socket's name, beside the shim
@@ -75,43 +71,15 @@ def write_shim(vm_etc: Path, socket_name: str, shim_dir: str) -> Path:
     return folder / SHIM_NAME
 
 
-class KeysListener:
+class KeysListener(ShimListener):
     """Serves the shims' `users USERNAME` requests: `lookup(pid, username)` gives the metadata
-    server's answer for the VM of `pid` (a dict), or None for its 404. The accept loop blocks in
-    the kernel (no polling)."""
+    server's answer for the VM of `pid` (a dict), or None for its 404."""
 
     def __init__(self, lookup: Callable[[int, str], dict | None]) -> None:
         self.lookup = lookup
-        self.name = f"localcloud-oslogin-{os.getpid()}-{os.urandom(6).hex()}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind("\0" + self.name)
-        self.sock.listen(64)
-        self.closed = False
-        threading.Thread(target=self._serve, name="oslogin-keys", daemon=True).start()
+        super().__init__("oslogin-keys")
 
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
-        self.sock.close()
-
-    def _serve(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(10)
-                pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-                verb, _, username = conn.makefile().readline().strip().partition(" ")
-                answer = self.lookup(pid, username) if verb == "users" else None
-                conn.sendall((json.dumps(answer) if answer is not None else "404").encode() + b"\n")
-            except Exception:
-                log.exception("OS Login keys request failed")
+    def answer(self, pid: int, uid: int, request: str) -> tuple[str, None]:
+        verb, _, username = request.partition(" ")
+        found = self.lookup(pid, username) if verb == "users" else None
+        return (json.dumps(found) if found is not None else "404"), None
