@@ -177,7 +177,8 @@ PARAMS: tuple[Declared, ...] = (
              title="Connect by internal IP"),
     Declared("os_login", "boolean", False,
              "Log in to the VM with OS Login, as the Google Cloud connection's account (its key imported for "
-             "an hour), instead of a key in the VM's metadata. Needs the Compute OS Admin Login role.", VM,
+             "the OS Login key lifetime, renewed while the run logs in), instead of a key in the VM's metadata. "
+             "Needs the Compute OS Admin Login role.", VM,
              title="Log in with OS Login"),
     Declared("os_login_key_lifetime_seconds", "integer", 3600,
              "With OS Login: seconds the imported key stays valid. It is renewed while a wait still logs in "
