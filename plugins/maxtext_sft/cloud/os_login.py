@@ -15,8 +15,7 @@ connection.
 from the Google connection extra `oslogin_api_endpoint` (gcloud's api_endpoint_overrides/oslogin
 format: the host root, e.g. `https://oslogin.googleapis.com/`, the oslogin v1 discovery
 document's rootUrl with its empty servicePath), as `compute_api_endpoint` sets the Compute API's
-(cloud/compute.py). The REST transport, not gRPC: an endpoint override is a URL, and a proxy or
-Private Service Connect endpoint serves it as the other APIs. The account is the connection's credentials' email, or the extra
+(cloud/compute.py). The REST transport, not gRPC: the override is a URL, as the other APIs' are. The account is the connection's credentials' email, or the extra
 `os_login_account` where the credentials have none to tell (anonymous ones, some federated ones).
 """
 
