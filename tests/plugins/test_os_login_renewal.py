@@ -89,3 +89,52 @@ def test_a_trigger_renews_the_key_past_its_lifetime_and_one_that_does_not_is_ref
     renewed = local_cloud.oslogin_requests()
     assert renewed and {r["api_client"].split()[0] for r in renewed} == {"maxtext-sft-triggerer"}, renewed
     assert renewing.os_login["expires_at"] > time.time() + LIFETIME / 2
+
+
+def test_renewal_is_due_once_half_the_lifetime_passed():
+    login = {"public_key": "ssh-ed25519 AAAA", "project_id": "p", "lifetime_seconds": 3600, "expires_at": 10_000.0}
+    assert not renewal_due(login, now=10_000 - 1801)
+    assert renewal_due(login, now=10_000 - 1799)
+    assert renewal_due(login, now=10_001)
+
+
+def test_a_reimport_that_keeps_the_earlier_expiry_is_followed_by_an_update_of_the_expiry():
+    """Whatever a re-import does with a key the profile holds, the renewed expiry takes: when the
+    answer shows the earlier one, the key's expiry is set with updateSshPublicKey."""
+    from google.cloud.oslogin_v1 import ImportSshPublicKeyResponse
+
+    from maxtext_sft.cloud.os_login import OsLoginEndpointHook
+
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIW1"
+    calls = []
+
+    class Client:
+        def import_ssh_public_key(self, parent, ssh_public_key, project_id):
+            calls.append(("import", parent, ssh_public_key["expiration_time_usec"]))
+            return ImportSshPublicKeyResponse(login_profile={
+                "name": "sa@p.iam.gserviceaccount.com",
+                "posix_accounts": [{"username": "sa_1", "uid": 4000, "account_id": project_id, "primary": True}],
+                "ssh_public_keys": {"fp1": {"key": key, "expiration_time_usec": 5, "fingerprint": "fp1"}},
+            })
+
+        def update_ssh_public_key(self, name, ssh_public_key, update_mask):
+            calls.append(("update", name, ssh_public_key["expiration_time_usec"], update_mask["paths"]))
+
+    hook = OsLoginEndpointHook.__new__(OsLoginEndpointHook)  # no connection: the client and account given
+    hook.__dict__.update(client=Client(), account="sa@p.iam.gserviceaccount.com", caller="worker")
+    imported = hook.import_key(key, "p", 60)
+    assert imported["username"] == "sa_1"
+    [(_, parent, expiry), (_, name, updated, paths)] = calls
+    assert parent == "users/sa@p.iam.gserviceaccount.com" and name == "users/sa@p.iam.gserviceaccount.com/sshPublicKeys/fp1"
+    assert updated == expiry == int(imported["expires_at"] * 1_000_000) and paths == ["expiration_time_usec"]
+
+
+def test_each_host_of_a_slice_renews_from_its_own_arguments():
+    from maxtext_sft.vm.training_watch import SliceTrainingStatusTrigger, TrainingStatusTrigger
+
+    login = {"public_key": "ssh-ed25519 AAAA", "project_id": "p", "lifetime_seconds": 60, "expires_at": 1.0}
+    host = dict(ssh_conn_id="s", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, vm_name="h1", project_id="p",
+                zone="z", gcp_conn_id="g", poll_interval=1, deadline=2, username="sa_1", os_login=login,
+                command="true", run_name="r", stall_timeout_seconds=60)
+    _, kwargs = SliceTrainingStatusTrigger(hosts=[host, {**host, "vm_name": "h2"}], instance_ids={}).serialize()
+    assert all(TrainingStatusTrigger(**h).os_login == login for h in kwargs["hosts"])
