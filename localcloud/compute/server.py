@@ -1,6 +1,7 @@
 """The compute emulator's HTTP server: /compute/v1/ requests routed to the emulator's handlers,
-and the emulator's own controls under /_localcloud/ (`ControlApi`; nothing there is part of
-the Compute Engine API). Errors are answered in the API's shape; every API request is logged.
+/v1/users/ ones to the OS Login API (localcloud/oslogin, its own log), and the emulator's own
+controls under /_localcloud/ (`ControlApi`; nothing there is part of the Compute Engine API).
+Errors are answered in the API's shape; every API request is logged.
 
 Owns: API_PREFIX, CONTROL_PREFIX, ROUTES (the one table of every API path, in match order),
 dispatch, ControlApi, Handler, make_server. Imports emulator (ComputeEmulator), faults through
