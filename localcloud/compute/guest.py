@@ -30,6 +30,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from ..oslogin.guest import OS_LOGIN_SWITCH
+
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _KEY_TYPES = re.compile(r"(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|sk-\S+)")
 FIRST_UID = 1001
@@ -122,7 +124,9 @@ class GuestAccounts:
         comes from `ssh-keys`; turning OS Login off makes the next pass apply them again. The
         OS Login accounts (PosixAccount JSON) resolve then, as NSS would resolve them.
         """
-        if os_login_enabled(metadata, project_metadata):
+        enabled = os_login_enabled(metadata, project_metadata)
+        self._switch_os_login(enabled)
+        if enabled:
             self._ensure_os_login_accounts(os_login_accounts)
             return
         keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
@@ -145,6 +149,17 @@ class GuestAccounts:
                 _set_group_member(self.etc / "group", SUDOERS_GROUP, user, False)
                 managed[user] = 0
         self.state_file.write_text(json.dumps(managed, sort_keys=True))
+
+    def _switch_os_login(self, enabled: bool) -> None:
+        """The agent's sshd setting for OS Login, as a switch the VM's AuthorizedKeysCommand reads
+        (its /etc/ssh/OS_LOGIN_SWITCH: localcloud/oslogin/guest.py)."""
+        folder = self.vm_dir / "etc-ssh"
+        if not folder.is_dir():
+            return
+        if enabled:
+            (folder / OS_LOGIN_SWITCH).write_text("enable-oslogin\n")
+        else:
+            (folder / OS_LOGIN_SWITCH).unlink(missing_ok=True)
 
     def _ensure_os_login_accounts(self, accounts: list[dict]) -> None:
         """Each OS Login account in the VM's passwd, group and shadow (its uid, gid, home and shell

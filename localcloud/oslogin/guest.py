@@ -9,12 +9,14 @@ ParseJsonToSshKeys, authorized_keys.cc). sshd then accepts only a key printed: a
 login is refused like any unknown key's.
 
 Here the program is a shim in the read-only /run/localcloud mount (STATE_DIR/vm-etc/guest-bin,
-beside guest_power.py's) that sshd runs as root; it asks the compute emulator over a Unix socket
-in the abstract namespace (VMs share the host's network namespace). The emulator decides from
-what the kernel says: SO_PEERCRED's pid names the VM by its PID namespace, and that VM's
-metadata says whether OS Login is on. Every sandbox VM's sshd_config names the shim (vm.py): with
-OS Login off the emulator answers "not found" and the shim prints nothing, as a VM without the
-directive reads only ~/.ssh/authorized_keys.
+beside guest_power.py's) that sshd runs as root. Every sandbox VM's sshd_config names it (vm.py),
+so the guest agent's part is a switch instead of an sshd_config edit: the file OS_LOGIN_SWITCH in
+the VM's /etc/ssh while OS Login is on for it (compute/guest.py). Without it the shim prints
+nothing at once (a plain shell test: sshd runs the command at every login, on every VM), as a VM
+without the directive reads only ~/.ssh/authorized_keys. With it, the shim's Python part asks the
+compute emulator over a Unix socket in the abstract namespace (VMs share the host's network
+namespace); the emulator decides from what the kernel says (SO_PEERCRED's pid names the VM by its
+PID namespace) and from that VM's metadata, and answers as the metadata server does.
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ from ..guest_socket import ShimListener
 
 SHIM_NAME = "google_authorized_keys"
 SOCKET_FILE = "oslogin-socket"  # the abstract socket's name, beside the shim
+OS_LOGIN_SWITCH = "localcloud-oslogin"  # in a VM's /etc/ssh while OS Login is on for it
 
-_AUTHORIZED_KEYS = r"""#!/usr/bin/python3
-# localcloud's google_authorized_keys (see localcloud/oslogin/guest.py): the OS Login keys of the
-# user sshd names, those whose expiry has not passed, one per line.
+_AUTHORIZED_KEYS = f"""#!/bin/sh
+# localcloud's google_authorized_keys (see localcloud/oslogin/guest.py): nothing while OS Login is
+# off for this VM, else the OS Login keys of the user sshd names whose expiry has not passed.
+[ -e /etc/ssh/{OS_LOGIN_SWITCH} ] || exit 0
+exec /usr/bin/python3 -I "$(dirname "$0")/{SHIM_NAME}.py" "$@"
+"""
+
+_AUTHORIZED_KEYS_PY = r"""# localcloud's google_authorized_keys, its part that asks the compute emulator (see
+# localcloud/oslogin/guest.py): the user's profile keys whose expiry has not passed, one per line.
 import json, os, re, socket, sys, time
 
 if len(sys.argv) != 2:
@@ -64,10 +73,11 @@ def write_shim(vm_etc: Path, socket_name: str, shim_dir: str) -> Path:
     folder = vm_etc / shim_dir
     folder.mkdir(parents=True, exist_ok=True)
     (folder / SOCKET_FILE).write_text(socket_name + "\n")
-    tmp = folder / f".{SHIM_NAME}.tmp"
-    tmp.write_text(_AUTHORIZED_KEYS)
-    tmp.chmod(0o755)
-    os.replace(tmp, folder / SHIM_NAME)
+    for name, text in ((f"{SHIM_NAME}.py", _AUTHORIZED_KEYS_PY), (SHIM_NAME, _AUTHORIZED_KEYS)):
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, folder / name)
     return folder / SHIM_NAME
 
 
