@@ -59,6 +59,11 @@ class OsLoginEndpointHook(GoogleBaseHook):
             client_info=ClientInfo(user_agent=f"maxtext-sft-{self.caller}"),
         )
 
+    def close(self) -> None:
+        """Close the client's HTTP session (a hook made for one import leaves no socket behind)."""
+        if "client" in self.__dict__:
+            self.__dict__.pop("client").transport.close()
+
     @cached_property
     def account(self) -> str:
         """The Google account whose login profile gets the key."""
@@ -98,9 +103,7 @@ def os_login_key(spec, gcp_conn_id: str, *, caller: str = "worker") -> dict[str,
     {"username", "os_login"}: `os_login` is what a trigger renews the key from (plain values:
     the public key, the project, the lifetime, when it expires)."""
     lifetime = float(spec.os_login_key_lifetime_seconds)
-    imported = OsLoginEndpointHook(gcp_conn_id=gcp_conn_id, caller=caller).import_key(
-        spec.ssh_public_key, spec.project_id, lifetime
-    )
+    imported = _import_once(gcp_conn_id, caller, spec.ssh_public_key, spec.project_id, lifetime)
     return {
         "username": imported["username"],
         "os_login": {
@@ -121,7 +124,15 @@ def renewal_due(os_login: dict[str, Any], now: float | None = None) -> bool:
 def renew_key(gcp_conn_id: str, os_login: dict[str, Any], *, caller: str) -> dict[str, Any]:
     """Import the key again for its lifetime; `os_login` with the new expiry. Blocking: a trigger
     runs it in a thread."""
-    imported = OsLoginEndpointHook(gcp_conn_id=gcp_conn_id, caller=caller).import_key(
-        os_login["public_key"], os_login["project_id"], os_login["lifetime_seconds"]
+    imported = _import_once(
+        gcp_conn_id, caller, os_login["public_key"], os_login["project_id"], os_login["lifetime_seconds"]
     )
     return {**os_login, "expires_at": imported["expires_at"]}
+
+
+def _import_once(gcp_conn_id: str, caller: str, public_key: str, project_id: str, lifetime: float) -> dict[str, Any]:
+    hook = OsLoginEndpointHook(gcp_conn_id=gcp_conn_id, caller=caller)
+    try:
+        return hook.import_key(public_key, project_id, lifetime)
+    finally:
+        hook.close()
