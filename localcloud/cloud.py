@@ -1,9 +1,10 @@
-"""Launcher for the local cloud's emulators (Cloud Storage, Compute Engine, the Hugging Face
-Hub), for tests and local runs.
+"""Launcher for the local cloud's emulators (Cloud Storage, Compute Engine with OS Login, the
+Hugging Face Hub), for tests and local runs.
 
     with LocalCloud(state_dir, images={"PROJECT/FAMILY": Path("/image/dir")}) as cloud:
         cloud.compute_endpoint   # "http://127.0.0.1:PORT/compute/v1/"
         cloud.storage_endpoint   # "http://127.0.0.1:PORT2/storage/v1/"
+        cloud.oslogin_endpoint   # "http://127.0.0.1:PORT/" (the OS Login API, in compute's process)
         cloud.create_bucket("my-bucket")
         cloud.hub.endpoint       # "http://127.0.0.1:PORT3" (HF_ENDPOINT's format)
         cloud.hub.add_user("team", token, role="write")
@@ -182,6 +183,20 @@ class LocalCloud:
     def compute_endpoint(self) -> str:
         """gcloud's api_endpoint_overrides/compute format (and the discovery client's)."""
         return f"{self.base_url}/compute/v1/"
+
+    @property
+    def oslogin_endpoint(self) -> str:
+        """The OS Login API (served by the compute emulator's process), in gcloud's
+        api_endpoint_overrides/oslogin format: the host root, as oslogin.googleapis.com/ is."""
+        return f"{self.base_url}/"
+
+    def oslogin_requests(self) -> list[dict]:
+        """The OS Login API's request log: [{time, method, path, query, body, status, user_agent,
+        api_client (x-goog-api-client: a Cloud client library's client_info)}]."""
+        return self._control("GET", "oslogin/requests")
+
+    def clear_oslogin_requests(self) -> None:
+        self._control("DELETE", "oslogin/requests")
 
     @property
     def storage_url(self) -> str:

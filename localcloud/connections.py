@@ -1,8 +1,9 @@
 """Airflow connections that point the pipeline at the local cloud.
 
-These are the only things that differ from a Google Cloud deployment: the Compute and Storage
-API endpoints (the connection extras `compute_api_endpoint`, `storage_api_endpoint`), anonymous
-credentials, the VM login key, a local Hugging Face token and the local Hub's endpoint (extra
+These are the only things that differ from a Google Cloud deployment: the Compute, Storage and
+OS Login API endpoints (the connection extras `compute_api_endpoint`, `storage_api_endpoint`,
+`oslogin_api_endpoint`), anonymous credentials (so the OS Login account is named: extra
+`os_login_account`), the VM login key, a local Hugging Face token and the local Hub's endpoint (extra
 `endpoint`). They are given as AIRFLOW_CONN_* environment variables, the way a deployment
 gives them.
 """
@@ -19,6 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 LOCAL_PROJECT = "local-project"
 LOCAL_ZONE = "us-east5-b"  # the pipeline's default zone (the tutorial's)
 VM_USER = "maxtext"
+# The Google connection's account (a service account, as a deployment's usually is).
+LOCAL_SERVICE_ACCOUNT = "maxtext-sft@local-project.iam.gserviceaccount.com"
 LOCAL_BUCKET = "local-models"
 LOCAL_HUB_USER = "local-team"  # owner of the test token on the local Hub, and of the repos runs publish
 
@@ -100,6 +103,9 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
             "is_anonymous": True,
             "compute_api_endpoint": cloud.compute_endpoint,
             "storage_api_endpoint": cloud.storage_endpoint,
+            "oslogin_api_endpoint": cloud.oslogin_endpoint,
+            # Anonymous credentials have no email: the account whose OS Login profile gets the key.
+            "os_login_account": LOCAL_SERVICE_ACCOUNT,
         },
     }
     vm_ssh = {

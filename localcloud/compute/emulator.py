@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 
 from .._daemon import RequestLog
+from ..oslogin import guest as os_login_guest
+from ..oslogin.store import OsLoginStore
 from . import guest_power
 from .groups import SliceResources
 from .guest_agent import GuestAgent
@@ -73,3 +75,9 @@ class ComputeEmulator(
         # A power-off from inside a VM (`sudo shutdown -h now`) stops its instance (guest_power.py).
         self.guest_power = guest_power.PowerListener(self._guest_power_off)
         guest_power.write_shims(state_dir / "vm-etc", self.guest_power.name)
+        # The OS Login API (localcloud/oslogin), served beside this one: a new POSIX account
+        # resolves on the VMs with OS Login at once, and their sshd asks for its keys.
+        self.os_login = OsLoginStore(on_new_account=self._os_login_account_made)
+        self.os_login_request_log = RequestLog(state_dir / "oslogin-requests.jsonl")
+        self.os_login_keys = os_login_guest.KeysListener(self._os_login_user)
+        os_login_guest.write_shim(state_dir / "vm-etc", self.os_login_keys.name, guest_power.SHIM_DIR)

@@ -9,7 +9,12 @@ createSudoersFile; the sandbox's `sudo` honours it, see guest_power.py). Users w
 disappear from the metadata keep their account but lose their keys and that group
 (removeGoogleUser). Only the
 instance's `ssh-keys` are read (project-wide keys are not). With OS Login in effect
-(`enable-oslogin`, the instance's value over the project's) the agent leaves accounts alone.
+(`enable-oslogin`, the instance's value over the project's) the agent leaves accounts alone,
+and the OS Login accounts resolve instead: on a real image guest-oslogin's NSS module asks the
+metadata server at each lookup (nss_oslogin), pam_mkhomedir makes the home at the first login and
+an account with roles/compute.osAdminLogin gets passwordless sudo (/var/google-sudoers.d/USER).
+Here they are written into the VM's passwd and group with their home (`os_login_accounts`, from
+localcloud/oslogin), in google-sudoers: the local cloud has no IAM, every account is an admin.
 
 The VM's /etc/passwd, /etc/group and /etc/shadow are per-VM files bind-mounted over the
 originals, so they are edited in place (truncate + write): a rename would leave the bind
@@ -24,6 +29,8 @@ import os
 import re
 import subprocess
 from pathlib import Path
+
+from ..oslogin.guest import OS_LOGIN_SWITCH
 
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _KEY_TYPES = re.compile(r"(ssh-(rsa|dss|ed25519)|ecdsa-sha2-nistp(256|384|521)|sk-\S+)")
@@ -107,14 +114,20 @@ class GuestAccounts:
         except FileNotFoundError:
             return {}
 
-    def apply_metadata(self, metadata: dict | None, project_metadata: dict | None = None) -> None:
+    def apply_metadata(
+        self, metadata: dict | None, project_metadata: dict | None = None, os_login_accounts: list[dict] = ()
+    ) -> None:
         """One pass of the agent's accounts manager over instance and project metadata.
 
         With OS Login in effect the accounts manager does not run at all (guest-agent
         non_windows_accounts.go: disabled() is true when OS Login is enabled): no user or key
-        comes from `ssh-keys`; turning OS Login off makes the next pass apply them again.
+        comes from `ssh-keys`; turning OS Login off makes the next pass apply them again. The
+        OS Login accounts (PosixAccount JSON) resolve then, as NSS would resolve them.
         """
-        if os_login_enabled(metadata, project_metadata):
+        enabled = os_login_enabled(metadata, project_metadata)
+        self._switch_os_login(enabled)
+        if enabled:
+            self._ensure_os_login_accounts(os_login_accounts)
             return
         keys = parse_ssh_keys(metadata_value(metadata, "ssh-keys") or "")
         self._ensure_sudoers_group()
@@ -137,6 +150,34 @@ class GuestAccounts:
                 managed[user] = 0
         self.state_file.write_text(json.dumps(managed, sort_keys=True))
 
+    def _switch_os_login(self, enabled: bool) -> None:
+        """The agent's sshd setting for OS Login, as a switch the VM's AuthorizedKeysCommand reads
+        (its /etc/ssh/OS_LOGIN_SWITCH: localcloud/oslogin/guest.py)."""
+        folder = self.vm_dir / "etc-ssh"
+        if not folder.is_dir():
+            return
+        if enabled:
+            (folder / OS_LOGIN_SWITCH).write_text("enable-oslogin\n")
+        else:
+            (folder / OS_LOGIN_SWITCH).unlink(missing_ok=True)
+
+    def _ensure_os_login_accounts(self, accounts: list[dict]) -> None:
+        """Each OS Login account in the VM's passwd, group and shadow (its uid, gid, home and shell
+        from the profile, as nss_oslogin's ParseJsonToPasswd reads them), its home made, in
+        google-sudoers. An account already there is left as it is."""
+        if not accounts:
+            return
+        self._ensure_sudoers_group()
+        passwd = read_table(self.etc / "passwd")
+        for account in accounts:
+            user = account.get("username") or ""
+            if not _USER.fullmatch(user) or user in passwd:
+                continue
+            uid = int(account["uid"])
+            gid = int(account.get("gid") or 0) or uid
+            self._create_user(user, passwd, uid=uid, gid=gid, shell=account.get("shell") or "/bin/bash")
+            _set_group_member(self.etc / "group", SUDOERS_GROUP, user, True)
+
     def _ensure_sudoers_group(self) -> None:
         """The agent's `groupadd google-sudoers`, if the group is missing. Its gid is taken below
         1000 (the highest free one), so the users' own gids stay what they were without it."""
@@ -147,17 +188,24 @@ class GuestAccounts:
         gid = next(g for g in range(999, 100, -1) if g not in used)
         _append_line(self.etc / "group", f"{SUDOERS_GROUP}:x:{gid}:")
 
-    def _create_user(self, user: str, passwd: dict[str, list[str]]) -> list[str]:
+    def _create_user(
+        self, user: str, passwd: dict[str, list[str]], *, uid: int | None = None, gid: int | None = None,
+        shell: str = "/bin/bash",
+    ) -> list[str]:
+        """A new user with its own group and home (from skel); its uid and gid the first free
+        from FIRST_UID unless given (an OS Login account's)."""
         group = read_table(self.etc / "group")
         used_uids = {int(e[2]) for e in passwd.values()}
         used_gids = {int(e[2]) for e in group.values()}
-        uid = FIRST_UID
-        while uid in used_uids:
-            uid += 1
-        gid = uid
-        while gid in used_gids:
-            gid += 1
-        entry = [user, "x", str(uid), str(gid), "", f"/home/{user}", "/bin/bash"]
+        if uid is None:
+            uid = FIRST_UID
+            while uid in used_uids:
+                uid += 1
+        if gid is None:
+            gid = uid
+            while gid in used_gids:
+                gid += 1
+        entry = [user, "x", str(uid), str(gid), "", f"/home/{user}", shell]
         days = (dt.date.today() - dt.date(1970, 1, 1)).days
         # `*` (not `!`) in the password field: no password, yet not "locked" for sshd.
         _append_line(self.etc / "group", f"{user}:x:{gid}:")

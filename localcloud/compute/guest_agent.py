@@ -13,10 +13,11 @@ import copy
 from . import errors
 from .disk_images import skel
 from .errors import ApiError
-from .guest import GuestAccounts, metadata_value
+from .guest import GuestAccounts, metadata_value, os_login_enabled
 from .instances import Instance
 from .operations import Operations
 from .resources import Link, Request, check_metadata, query_arg, stored_metadata, validated_body
+from .vm import pid_namespace
 
 
 class GuestAgent(Operations):
@@ -29,7 +30,32 @@ class GuestAgent(Operations):
                 metadata = copy.deepcopy(inst.resource["metadata"])
                 project_metadata = copy.deepcopy(self._project_metadata(inst.project))
             if inst.vm is not None and inst.vm.root.is_dir():
-                GuestAccounts(inst.vm.root, skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
+                GuestAccounts(inst.vm.root, skel(inst.image_dir)).apply_metadata(
+                    metadata, project_metadata, self.os_login.accounts()
+                )
+
+    def _os_login_account_made(self, account: dict) -> None:
+        """A new OS Login account: every VM with OS Login resolves it from now on (nss_oslogin asks
+        the metadata server at each lookup), before the import's answer leaves."""
+        with self.lock:
+            instances = list(self.instances.values())
+        for inst in instances:
+            self._apply_guest_accounts(inst)
+
+    def _os_login_user(self, pid: int, username: str) -> dict | None:
+        """The metadata server's `oslogin/users?username=` answer for the VM of `pid` (its PID
+        namespace names it): None (its 404) when the caller is in no VM, OS Login is off for that
+        VM, or there is no such user (localcloud/oslogin/guest.py)."""
+        pidns = pid_namespace(pid)
+        with self.lock:
+            found = [i for i in self.instances.values() if i.vm is not None and pidns and i.vm.pidns == pidns]
+            if len(found) != 1:
+                return None
+            metadata = copy.deepcopy(found[0].resource["metadata"])
+            project_metadata = copy.deepcopy(self._project_metadata(found[0].project))
+        if not os_login_enabled(metadata, project_metadata):
+            return None
+        return self.os_login.guest_user(username)
 
     def set_metadata(self, project: str, zone: str, instance: str, req: Request) -> dict:
         body = validated_body(req, "compute.instances.setMetadata", "Metadata", "metadata_resource")

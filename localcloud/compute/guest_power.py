@@ -27,17 +27,12 @@ google-sudoers member in that VM's own /etc/passwd and /etc/group. The product c
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
-import struct
-import threading
 from pathlib import Path
 from typing import Callable
 
+from ..guest_socket import ShimListener
 from .guest import SUDOERS_GROUP, read_table
-
-log = logging.getLogger(__name__)
 
 SHIM_DIR = "guest-bin"  # under vm-etc, so /run/localcloud/guest-bin in every VM
 VM_SHIM_DIR = f"/run/localcloud/{SHIM_DIR}"
@@ -150,50 +145,17 @@ def may_power_off(vm_etc_dir: Path, uid: int) -> bool:
     return user[0] in sudoers[3].split(",") or user[3] == sudoers[2]
 
 
-class PowerListener:
+class PowerListener(ShimListener):
     """Serves the shims' requests. `handle(pid, uid)` decides one: (None, then) accepts it, and
     `then()` runs once the shim has its answer (the power-off kills the shim too); (reason, None)
-    refuses it. The accept loop blocks in the kernel (no polling)."""
+    refuses it."""
 
     def __init__(self, handle: Callable[[int, int], tuple[str | None, Callable[[], None] | None]]) -> None:
         self.handle = handle
-        self.name = f"localcloud-guest-power-{os.getpid()}-{os.urandom(6).hex()}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind("\0" + self.name)
-        self.sock.listen(16)
-        self.closed = False
-        threading.Thread(target=self._serve, name="guest-power", daemon=True).start()
+        super().__init__("guest-power")
 
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
-        self.sock.close()
-
-    def _serve(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        then = None
-        with conn:
-            try:
-                conn.settimeout(10)
-                pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-                request = conn.makefile().readline().strip()
-                if request != "poweroff":
-                    conn.sendall(b"unknown request\n")
-                    return
-                refused, then = self.handle(pid, uid)
-                conn.sendall(f"{refused or 'ok'}\n".encode())
-            except Exception:
-                log.exception("guest power request failed")
-                return
-        if then is not None:
-            then()
+    def answer(self, pid: int, uid: int, request: str) -> tuple[str, Callable[[], None] | None]:
+        if request != "poweroff":
+            return "unknown request", None
+        refused, then = self.handle(pid, uid)
+        return refused or "ok", then

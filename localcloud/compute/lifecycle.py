@@ -87,7 +87,9 @@ class InstanceLifecycle(Operations):
                 inst.vm = vm
                 vm.prepare()
                 disk_images.restore(inst.image_dir, vm.root)  # what an image of a boot disk holds
-                GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
+                GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(
+                    metadata, project_metadata, self.os_login.accounts()
+                )
                 if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
                     vm.start()
                     vm.wait_ready(self.vm_ready_timeout)

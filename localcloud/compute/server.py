@@ -1,6 +1,7 @@
 """The compute emulator's HTTP server: /compute/v1/ requests routed to the emulator's handlers,
-and the emulator's own controls under /_localcloud/ (`ControlApi`; nothing there is part of
-the Compute Engine API). Errors are answered in the API's shape; every API request is logged.
+/v1/users/ ones to the OS Login API (localcloud/oslogin, its own log), and the emulator's own
+controls under /_localcloud/ (`ControlApi`; nothing there is part of the Compute Engine API).
+Errors are answered in the API's shape; every API request is logged.
 
 Owns: API_PREFIX, CONTROL_PREFIX, ROUTES (the one table of every API path, in match order),
 dispatch, ControlApi, Handler, make_server. Imports emulator (ComputeEmulator), faults through
@@ -16,6 +17,8 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ..oslogin import api as os_login_api
+from ..oslogin.store import OsLoginError
 from . import catalog, errors
 from .emulator import ComputeEmulator
 from .errors import ApiError
@@ -117,6 +120,11 @@ class ControlApi:
         if what == "requests" and method == "DELETE":
             emulator.request_log.clear()
             return 200, {}
+        if what == "oslogin/requests" and method == "GET":  # the OS Login API's own log
+            return 200, emulator.os_login_request_log.read()
+        if what == "oslogin/requests" and method == "DELETE":
+            emulator.os_login_request_log.clear()
+            return 200, {}
         if what == "faults" and method == "POST":
             return 200, emulator.set_faults(body)
         if what == "faults" and method == "GET":
@@ -193,6 +201,9 @@ class Handler(BaseHTTPRequestHandler):
                     raise errors.bad_payload(f"Invalid JSON payload received. {exc}.", "") from None
             if path.startswith(CONTROL_PREFIX):
                 status, payload = self.control.dispatch(method, path, body)
+            elif path.startswith(os_login_api.PREFIX):
+                self._os_login(method, path, query, body)
+                return
             elif path.startswith(API_PREFIX):
                 if fault := self.emulator.faults.http_error(method, path):
                     raise fault
@@ -223,6 +234,27 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for name, value in extra_headers.items():
             self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _os_login(self, method: str, path: str, query: dict, body: object) -> None:
+        """A request to the OS Login API (localcloud/oslogin: another API on this server, its
+        own request log with the caller's User-Agent, its own error shape)."""
+        try:
+            status, payload = os_login_api.dispatch(self.emulator.os_login, method, path, query, body)
+        except OsLoginError as exc:
+            status, payload = exc.code, exc.body()
+        self.emulator.os_login_request_log.append({
+            "time": now_rfc3339(), "method": method, "path": path,
+            "query": {k: v[0] if len(v) == 1 else v for k, v in query.items()},
+            "body": body, "status": status, "user_agent": self.headers.get("User-Agent", ""),
+            # The Cloud client libraries' own header: their client_info's user agent goes there.
+            "api_client": self.headers.get("x-goog-api-client", ""),
+        })
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 

@@ -72,6 +72,10 @@ PubkeyAuthentication yes
 UsePAM no
 StrictModes yes
 AuthorizedKeysFile .ssh/authorized_keys
+# OS Login's keys, as the guest agent configures sshd (localcloud/oslogin/guest.py): none while
+# OS Login is off for the VM.
+AuthorizedKeysCommand /run/localcloud/guest-bin/google_authorized_keys
+AuthorizedKeysCommandUser root
 Subsystem sftp internal-sftp
 ClientAliveInterval 120
 ClientAliveCountMax 3

@@ -8,7 +8,9 @@ def endpoint_override(hook, extra_field: str, api_path: str) -> str | None:
 
     gcloud's format ends with the API's path (`compute/v1/`, `storage/v1/`), so one value serves
     gcloud, the discovery client (which wants it whole) and the Cloud client libraries (which
-    want the host root: strip `api_path`).
+    want the host root: strip `api_path`). An API whose discovery document has an empty
+    servicePath (OS Login: rootUrl `https://oslogin.googleapis.com/`) takes `api_path` "": its
+    value is the host root.
     """
     endpoint = hook._get_field(extra_field, None)
     if not endpoint:

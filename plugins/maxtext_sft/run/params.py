@@ -177,8 +177,13 @@ PARAMS: tuple[Declared, ...] = (
              title="Connect by internal IP"),
     Declared("os_login", "boolean", False,
              "Log in to the VM with OS Login, as the Google Cloud connection's account (its key imported for "
-             "an hour), instead of a key in the VM's metadata. Needs the Compute OS Admin Login role.", VM,
+             "the OS Login key lifetime, renewed while the run logs in), instead of a key in the VM's metadata. "
+             "Needs the Compute OS Admin Login role.", VM,
              title="Log in with OS Login"),
+    Declared("os_login_key_lifetime_seconds", "integer", 3600,
+             "With OS Login: seconds the imported key stays valid. It is renewed while a wait still logs in "
+             "(when half of it has passed), so a leaked key stops working soon after the run.", VM,
+             title="OS Login key lifetime (s)", minimum=20, maximum=24 * 3600),
     Declared("ssh_via_iap", "boolean", False,
              "Reach the VM through an Identity-Aware Proxy tunnel (gcloud on Airflow's workers; the firewall "
              "lets SSH in from 35.235.240.0/20 only). Needs the IAP-secured Tunnel User role. The VM gets no "

@@ -92,14 +92,18 @@ def published_host_keys(
     return keys
 
 
-def ssh_target(spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = True) -> dict[str, Any]:
+def ssh_target(
+    spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = True, caller: str = "worker"
+) -> dict[str, Any]:
     """Where and how to reach the VM now: {host, host_keys (the only ones to accept), username
-    (OS Login's, else None: the connection's login), proxy_command (IAP's, else None)}.
+    (OS Login's, else None: the connection's login), os_login (with the Param os_login, what a
+    trigger renews the key from: cloud/os_login.py; else None), proxy_command (IAP's, else None)}.
+    With os_login the key is imported anew, valid for its whole lifetime (`caller`: who asks).
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran (without
     `host_keys_required`, host_keys is then empty: a trigger reads them when they are published).
     """
-    from maxtext_sft.cloud.os_login import os_login_username
+    from maxtext_sft.cloud.os_login import os_login_key
 
     hook = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)  # one client for both reads
     address = vm_address(spec, gcp_conn_id, hook)
@@ -109,10 +113,11 @@ def ssh_target(spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = Tr
         if host_keys_required:
             raise
         keys = {}
+    login = os_login_key(spec, gcp_conn_id, caller=caller) if spec.os_login else {"username": None, "os_login": None}
     return {
         "host": address,
         "host_keys": keys,
-        "username": os_login_username(gcp_conn_id, spec.ssh_public_key, spec.project_id) if spec.os_login else None,
+        **login,
         "proxy_command": iap_tunnel_command(spec) if spec.ssh_via_iap else None,
     }
 

@@ -69,6 +69,7 @@ class SshReadyTrigger(VmSshTrigger):
 
     async def _login(self, host_keys: dict[str, str]) -> int:
         """One connection, one `true`: its exit status."""
+        await self._renew_os_login_key()
         async with await self._hook(host_keys).get_conn() as conn:  # closed on leaving, a cancelled login's too
             result = await conn.run(COMMAND, check=False, timeout=self.command_timeout)
         return result.exit_status if result.exit_status is not None else -1

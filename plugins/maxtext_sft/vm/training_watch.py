@@ -302,6 +302,7 @@ class TrainingStatusTrigger(VmSshTrigger):
         """One connection, one run of training_status.sh: its exit status and lines (stderr merged)."""
         import asyncssh
 
+        await self._renew_os_login_key()
         async with await self._hook().get_conn() as conn:  # closed on leaving, a cancelled check's too
             # A byte that is not UTF-8 is replaced, as the workers' VmSSHHook reads lines: asyncssh's
             # strict decoding fails the read (no status line), and the lines of this check, which
@@ -435,7 +436,7 @@ class TrainingStartTrigger(HeldEventTrigger):
         watch_since = time.time()
         spec = self.run_spec()
         try:
-            target = await asyncio.to_thread(ssh_target, spec, self.gcp_conn_id)
+            target = await asyncio.to_thread(ssh_target, spec, self.gcp_conn_id, caller="triggerer")
         except Exception as error:  # noqa: BLE001 - the worker's check judges what this was
             self.log.warning("No SSH target for VM %s now (%s): the worker checks", spec.vm_name, error_text(error))
             return {"status": "check", "error": error_text(error), "last_step": None, "answered": False,

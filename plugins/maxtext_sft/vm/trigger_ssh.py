@@ -1,5 +1,6 @@
 """What the triggers that SSH to a run's VM share (vm/training_watch.py, vm/ssh_ready.py): where
-the VM is and how to log in (vm/ssh_async.py: only the host keys it published are accepted),
+the VM is and how to log in (vm/ssh_async.py: only the host keys it published are accepted; with
+OS Login, the key renewed before a login once half its lifetime passed: cloud/os_login.py),
 their poll's pace and deadline, the Compute API's word on a VM that does not answer, and the hold
 of their one event.
 
@@ -45,7 +46,7 @@ def vm_ssh_kwargs(
     spec, target: dict[str, Any], *, ssh_conn_id: str, gcp_conn_id: str, poll_interval: float, first_event_after: float
 ) -> dict[str, Any]:
     """A VmSshTrigger's arguments for `spec`'s VM (a RunSpec): `target` (vm.access.ssh_target's host,
-    host_keys: the only ones accepted; username, proxy_command), its connections, its pace."""
+    host_keys: the only ones accepted; username, os_login, proxy_command), its connections, its pace."""
     return {
         "ssh_conn_id": ssh_conn_id,
         **target,
@@ -83,6 +84,7 @@ class VmSshTrigger(HeldEventTrigger):
         poll_interval: float,
         deadline: float,
         username: str | None = None,
+        os_login: dict[str, Any] | None = None,
         proxy_command: str | None = None,
         connect_timeout: float = 30,
         command_timeout: float = 120,
@@ -100,6 +102,7 @@ class VmSshTrigger(HeldEventTrigger):
         self.poll_interval = float(poll_interval)
         self.deadline = float(deadline)
         self.username = username
+        self.os_login = dict(os_login) if os_login else None  # the imported key's renewal (cloud/os_login.py)
         self.proxy_command = proxy_command
         self.connect_timeout = float(connect_timeout)
         self.command_timeout = float(command_timeout)
@@ -119,6 +122,7 @@ class VmSshTrigger(HeldEventTrigger):
             "poll_interval": self.poll_interval,
             "deadline": self.deadline,
             "username": self.username,
+            "os_login": self.os_login,
             "proxy_command": self.proxy_command,
             "connect_timeout": self.connect_timeout,
             "command_timeout": self.command_timeout,
@@ -138,6 +142,24 @@ class VmSshTrigger(HeldEventTrigger):
             connect_timeout=self.connect_timeout,
             proxy_command=self.proxy_command,
         )
+
+    async def _renew_os_login_key(self) -> None:
+        """With OS Login, before a login: import the key again once half its lifetime passed (the
+        VM takes only an unexpired key). A failed renewal is logged: the login may still work, and
+        a refused one is reported as any refusal."""
+        if not self.os_login:
+            return
+        from maxtext_sft.cloud.os_login import renew_key, renewal_due
+
+        if not renewal_due(self.os_login):
+            return
+        try:
+            self.os_login = await asyncio.to_thread(renew_key, self.gcp_conn_id, self.os_login, caller="triggerer")
+        except Exception as error:  # noqa: BLE001 - the login that follows tells whether it mattered
+            self.log.warning("Could not renew the OS Login key of %s: %s: %s", self.username, type(error).__name__, error)
+            return
+        self.log.info("OS Login key of %s renewed until %s", self.username,
+                      time.strftime("%H:%M:%S", time.gmtime(self.os_login["expires_at"])))
 
     async def _vm_lost(self) -> bool:
         """Whether the Compute API says the unanswering VM is gone or stopped (a read that fails
