@@ -108,6 +108,8 @@ class InstanceLifecycle(Operations):
             self._op_done(op, ("INTERNAL_ERROR", f"localcloud: VM failed to start: {exc}"))
             return
         self._op_done(op)
+        if running_since is not None and faults.first_boot_host_keys is not None:
+            self._first_boot_host_keys(inst, vm, faults.first_boot_host_keys, running_since)  # guest_agent.py
         if running_since is not None and (refuse_for is not None or hang_for is not None):
             threading.Thread(
                 target=self._sshd_faults, args=(inst, vm, refuse_for, hang_for, running_since), daemon=True
