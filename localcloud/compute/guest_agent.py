@@ -128,7 +128,9 @@ class GuestAgent(Operations):
     #   from ssh-keys (google_guest_agent/main.go, run).
     # So a client can meet: the old keys published and served; the new ones served while the old
     # are still published (a mismatch); then the new ones published. Modelled here all types at
-    # once (the agent goes type by type, in a map's order), `publish_after` seconds apart.
+    # once (the agent goes type by type, in a map's order), `publish_after` seconds apart; the
+    # users of the ssh-keys metadata are made after that, as the agent's metadata watch comes
+    # after agentInit (until then sshd refuses their login).
 
     def _first_boot_host_keys(self, inst: Instance, vm: SandboxVM, rule: dict, since: float) -> None:
         """Start the guest agent's first-boot key change of `inst`'s new VM, RUNNING since `since`."""
@@ -165,5 +167,6 @@ class GuestAgent(Operations):
             self._wait_while_current(inst, vm, since + after + publish_after)
             with self.lock:
                 inst.published_host_keys = None  # the guest attributes show the VM's keys again
+            self._apply_guest_accounts(inst)  # the agent's metadata watch, after agentInit
         except Exception:
             log.exception("first-boot host key change of %s failed", inst.path)

@@ -87,7 +87,8 @@ class InstanceLifecycle(Operations):
                 inst.vm = vm
                 vm.prepare()
                 disk_images.restore(inst.image_dir, vm.root)  # what an image of a boot disk holds
-                GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
+                if faults.first_boot_host_keys is None:  # else after the first-boot key change (guest_agent.py)
+                    GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(metadata, project_metadata)
                 if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
                     vm.start()
                     vm.wait_ready(self.vm_ready_timeout)
