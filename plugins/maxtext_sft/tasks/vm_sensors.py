@@ -221,15 +221,15 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             self._wait_started(context)
         return self._probes[spec.vm_name]
 
-    def _keep_last_keys(self, context, spec: RunSpec, host_keys: dict[str, str] | None = None) -> None:
-        """The host keys `spec`'s VM published at the last read (the probe's, or `host_keys`), for
-        this wait's next read, in its next task process too."""
+    def _keep_last_keys(self, context, spec: RunSpec) -> None:
+        """The host keys `spec`'s VM published at the probe's last read whose login met one of
+        them, for this wait's next read, in its next task process too."""
         probe = self._probe(context, spec)
-        if host_keys is not None:
-            probe.last_keys = dict(host_keys)
         store, key = self._state(context, self._try_key(context, f"host_keys_read_{spec.vm_name}"))
         if probe.last_keys and store.get(key) != probe.last_keys:
             store.set(key, probe.last_keys)
+        elif not probe.last_keys and store.get(key) is not None:  # sshd showed another key since
+            store.delete(key)
 
     def _wait_started(self, context) -> float:
         """When this try's wait began (epoch seconds): its first check."""
