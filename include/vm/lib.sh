@@ -206,7 +206,7 @@ claim_step_group() {
   # The lock is held by this subshell only: nothing the step starts later inherits it.
   (
     flock 8
-    if read -r earlier earlier_start <"$dir/$step.group" 2>/dev/null && [ "$earlier" != "$pgid" ] &&
+    if [ -f "$dir/$step.group" ] && read -r earlier earlier_start <"$dir/$step.group" && [ "$earlier" != "$pgid" ] &&
       [[ "$earlier" =~ ^[0-9]+$ ]] && group_alive "$earlier"; then
       echo "An earlier $step is still running (process group $earlier): ending it first" >&2
       end_step_group "$earlier" "$earlier_start" || {

@@ -29,3 +29,47 @@ def test_the_group_line_is_read_exactly():
     for line in ("MAXTEXT_SFT_STEP_GROUP 22", "MAXTEXT_SFT_STEP_GROUP 0 5", "MAXTEXT_SFT_STEP_GROUP 22 5; id",
                  " MAXTEXT_SFT_STEP_GROUP 22 5", "MAXTEXT_SFT_RESULT group=22"):
         assert step_group(line) is None, line
+
+
+# ----- lib.sh's claim_step_group, run here with bash (no VM) ---------------------------------------
+
+STEP = """#!/usr/bin/env bash
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+note_contact "$1"
+ls "$1/maxtext-sft-steps" 2>/dev/null || true
+"""
+
+
+@pytest.fixture
+def steps_dir(tmp_path):
+    from maxtext_sft.vm.steps import vm_scripts_dir
+
+    (tmp_path / "lib.sh").write_bytes((vm_scripts_dir() / "lib.sh").read_bytes())
+    for name in ("install_maxtext.sh", "training_status.sh"):
+        (tmp_path / name).write_text(STEP)
+    return tmp_path
+
+
+def run_step(steps_dir, name: str, *, own_group: bool):
+    import subprocess
+
+    return subprocess.run(["bash", str(steps_dir / name), str(steps_dir / "work")], capture_output=True, text=True,
+                          timeout=30, start_new_session=own_group, check=True)
+
+
+def test_a_step_leading_its_group_names_it_and_an_exclusive_one_records_it_while_it_runs(steps_dir):
+    run = run_step(steps_dir, "install_maxtext.sh", own_group=True)
+    group = step_group(run.stderr.strip())
+    assert group is not None and group[0] > 1, run.stderr
+    assert run.stdout.split() == ["install_maxtext.sh.group", "install_maxtext.sh.lock"]  # recorded while it ran
+    assert sorted(p.name for p in (steps_dir / "work" / "maxtext-sft-steps").iterdir()) == ["install_maxtext.sh.lock"]
+    read_only = run_step(steps_dir, "training_status.sh", own_group=True)
+    assert step_group(read_only.stderr.strip()) and "training_status.sh.group" not in read_only.stdout
+
+
+def test_a_step_run_from_another_script_changes_nothing(steps_dir):
+    """Not leading its process group (a person's script ran it): no group of its own to end."""
+    run = run_step(steps_dir, "install_maxtext.sh", own_group=False)
+    assert run.stderr == "" and run.stdout == ""
+    assert not (steps_dir / "work" / "maxtext-sft-steps").exists()
