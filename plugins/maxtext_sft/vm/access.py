@@ -129,9 +129,16 @@ def pinned_host_keys(vm_name: str) -> tuple[dict[str, str], str] | None:
 
 
 def instance_id(spec: RunSpec, gcp_conn_id: str, hook: ComputeEngineEndpointHook | None = None) -> str:
-    """The id of the instance named `spec.vm_name` now (a VM made again under its name has a new one)."""
+    """The id of the instance named `spec.vm_name` now (a VM made again under its name has a new
+    one); NotFound when it is gone, as vm_address."""
     hook = hook or ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
-    return str(hook.get_instance_info(zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id).get("id") or "")
+    try:
+        info = hook.get_instance_info(zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id)
+    except HttpError as error:
+        if error.resp.status == 404:
+            raise NotFound(f"instance {spec.vm_name} not found") from error
+        raise
+    return str(info.get("id") or "")
 
 
 def check_pinned_host_keys(

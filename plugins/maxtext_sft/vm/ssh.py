@@ -185,7 +185,6 @@ class VmSSHHook(SSHHook):
             channel.close()
         return status, tail
 
-
     def end_step_group(self, group: tuple[int, int], on_line: Callable[[str], None]) -> str:
         """End a timed-out step's process group over a new channel (include/vm/end_step_group.sh:
         SIGTERM, SIGKILL after a grace); what happened, for the error. Never raises: when the VM

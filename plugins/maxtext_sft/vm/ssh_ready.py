@@ -81,9 +81,7 @@ class SshReadyTrigger(VmSshTrigger):
         """Poll until something needs the worker: the event's payload."""
         import asyncssh
 
-        from maxtext_sft.vm.access import HostKeysNotPublished
-
-        from maxtext_sft.vm.access import host_keys_settled, key_fingerprints
+        from maxtext_sft.vm.access import HostKeysNotPublished, host_keys_settled, key_fingerprints
         from maxtext_sft.vm.ssh_common import HostKeyMismatch
 
         unreachable = (HostKeysNotPublished, OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
@@ -150,10 +148,11 @@ class SliceSshReadyTrigger(HeldEventTrigger):
     """SshReadyTrigger's logins on several hosts at once (`hosts`: each one's SshReadyTrigger
     arguments, plain values), until every host takes the login or one needs the worker.
 
-    Event: {"ready": [vm_name, ...], "host_keys": {vm_name: keys}, "events": {vm_name: SshReadyTrigger's
-    event}}: the hosts whose login worked and the keys pinned for each, and the event of the host
-    that needs the worker (empty when every host is ready). When that is the bound (`unreachable`), every host still waiting reaches it too: each
-    one's event is there, for the worker to name every host's last error. The logins of the hosts
+    Event: {"ready": [vm_name, ...], "host_keys": {vm_name: keys}, "events": {vm_name:
+    SshReadyTrigger's event}}: the hosts whose login worked and the keys pinned for each, and the
+    event of the host that needs the worker (empty when every host is ready). When that is the
+    bound (`unreachable`), every host still waiting reaches it too: each one's event is there, for
+    the worker to name every host's last error. The logins of the hosts
     still waiting are cancelled (their connections closed) when the event leaves.
     """
 
