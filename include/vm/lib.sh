@@ -113,6 +113,113 @@ note_contact() {
   mkdir -p "$dir/busy" 2>/dev/null && touch "$dir/contact" && echo $$ >"$dir/busy/$$" || return 0
   _busy_marker="$dir/busy/$$"
   on_exit 'rm -f "$_busy_marker"'
+  claim_step_group "$1"
+}
+
+# A step's process group: what the pipeline ends when the step runs past its timeout, and what a
+# new run of an exclusive step ends first when an earlier run is still going (sshd sends no SIGHUP
+# when a connection without a pty drops, so a step whose worker died runs on). Over SSH without a
+# pty, sshd makes the command's shell a session and process-group leader (OpenSSH session.c,
+# do_exec_no_pty: setsid()), and the login shell's `-c 'bash SCRIPT ...'` execs the script, so the
+# script leads a group of its own: it and everything it started but did not detach. The training
+# and the autostop watchdog are started with setsid, in sessions of their own: never in a step's group.
+#
+# Exclusive steps: two runs of one on the same VM would write the same files (the MaxText venv,
+# the converted checkpoint, the export, the rehearsal kit) or start two trainings. The others only
+# read (training_status.sh, training_metrics.sh, loss_history.sh: the trigger's and a worker's may
+# overlap) or guard themselves (autostop.sh, under its flock), and run side by side. Each host of
+# a slice is its own VM, with its own records.
+exclusive_step() {
+  case "$1" in
+    install_maxtext.sh | prepare_rehearsal.sh | convert_to_maxtext.sh | start_training.sh | export_to_hf.sh) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+step_groups_dir() {
+  printf '%s/maxtext-sft-steps\n' "$1"
+}
+
+# The start time of process PID (/proc/PID/stat field 22, clock ticks since boot): with the pid, it
+# tells a group's leader from a later process that got the same pid.
+process_start() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  # shellcheck disable=SC2086
+  set -- $stat
+  printf '%s\n' "${20}"
+}
+
+# True while process group PGID has a process that is not a zombie.
+group_alive() {
+  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+
+# End process group PGID, whose leader started at START (process_start): SIGTERM, then SIGKILL to
+# what is left after GRACE seconds (default 10). Nothing to do when the group is gone, or when its
+# leader's pid is another process's now. A process run as root (sudo apt-get) is signalled by its
+# sudo, which relays SIGTERM (sudo(8), "Signal handling"); SIGKILL cannot be relayed, so the last
+# resort goes through `sudo -n kill`. Returns 1 when something of the group is still there after
+# the bound.
+end_step_group() {
+  local pgid=$1 start=$2 grace=${3:-10} now tenths
+  [[ "$pgid" =~ ^[1-9][0-9]*$ && "$pgid" -gt 1 && "$start" =~ ^[0-9]+$ && "$grace" =~ ^[0-9]+$ ]] || {
+    echo "end_step_group: want PGID START [GRACE_SECONDS], got '$*'" >&2
+    return 2
+  }
+  if now=$(process_start "$pgid") && [ "$now" != "$start" ]; then
+    return 0
+  fi
+  group_alive "$pgid" || return 0
+  kill -TERM -- "-$pgid" 2>/dev/null || true
+  for ((tenths = 0; tenths < grace * 10; tenths++)); do
+    group_alive "$pgid" || return 0
+    sleep 0.1
+  done
+  echo "process group $pgid still there $grace s after SIGTERM: sending SIGKILL" >&2
+  kill -KILL -- "-$pgid" 2>/dev/null || true
+  for ((tenths = 0; tenths < 50; tenths++)); do
+    group_alive "$pgid" || return 0
+    if [ "$tenths" -eq 10 ]; then
+      sudo -n kill -KILL -- "-$pgid" 2>/dev/null || true
+    fi
+    sleep 0.1
+  done
+  echo "process group $pgid is still there after SIGKILL" >&2
+  return 1
+}
+
+# Called by note_contact. Says (on stderr, for the pipeline: "MAXTEXT_SFT_STEP_GROUP PGID START")
+# which group to end if this step runs past its timeout. An exclusive step also records its group
+# under WORK_DIR/maxtext-sft-steps/ and first ends an earlier run of itself that is still going;
+# it fails when that one cannot be ended. A script that does not lead its group (run by hand from
+# another script) has no group of its own to give, and changes nothing.
+claim_step_group() {
+  local step=${0##*/} pgid start dir
+  pgid=$(ps -o pgid= -p $$ | tr -d ' ')
+  [ "$pgid" = "$$" ] && start=$(process_start $$) || return 0
+  echo "MAXTEXT_SFT_STEP_GROUP $pgid $start" >&2
+  exclusive_step "$step" || return 0
+  dir=$(step_groups_dir "$1")
+  mkdir -p "$dir"
+  # The lock is held by this subshell only: nothing the step starts later inherits it.
+  (
+    flock 8
+    if [ -f "$dir/$step.group" ] && read -r earlier earlier_start <"$dir/$step.group" && [ "$earlier" != "$pgid" ] &&
+      [[ "$earlier" =~ ^[0-9]+$ ]] && group_alive "$earlier"; then
+      echo "An earlier $step is still running (process group $earlier): ending it first" >&2
+      end_step_group "$earlier" "$earlier_start" || {
+        echo "could not end the earlier $step (process group $earlier): not starting a second beside it" >&2
+        exit 1
+      }
+    fi
+    printf '%s %s\n' "$pgid" "$start" >"$dir/$step.group.$$"
+    mv "$dir/$step.group.$$" "$dir/$step.group"
+  ) 8>"$dir/$step.lock" || exit 1
+  _step_group_record="$dir/$step.group"
+  _step_group_mine="$pgid $start"
+  on_exit '[ "$(cat "$_step_group_record" 2>/dev/null)" = "$_step_group_mine" ] && rm -f "$_step_group_record"'
 }
 
 # Prints the lines of FILE that hold the fixed string TEXT, at most MAX of them, evenly spread, the

@@ -109,11 +109,19 @@ class Faults:
         The next VM(s) created publish, in their guest attributes (hostkeys/), an Ed25519 host
         key that is not their sshd's: what a client sees when something else answers at the
         VM's address.
+
+    first_boot_host_keys  {"seconds": 4, "publish_after": 1, "name_regex", "count"}
+        The next VM(s) created change their host keys once during their first boot, as two real
+        first-boot actions can: they serve and publish one set of keys (cloud-init's, made before
+        sshd starts), then `seconds` after RUNNING the guest agent makes new keys of every type
+        and renames them over the old files, so new connections meet them, and `publish_after`
+        seconds later (default 1) the guest attributes show them. See guest_agent.py for the
+        sources and the order.
     """
 
     PER_INSTANCE = {
         "insert_rejected", "operation_errors", "operation_hangs", "ssh_refused", "ssh_banner_timeout", "host_key_mismatch",
-        "flex_start_wait", "max_run_duration_refused",
+        "flex_start_wait", "max_run_duration_refused", "first_boot_host_keys",
     }
     OPERATIONS = ("insert", "delete")
 
@@ -267,6 +275,15 @@ class Faults:
         if not isinstance(models, list) or not models or any(model not in known for model in models):
             raise ValueError(f"'provisioning_models' must be a non-empty list of {list(known)}")
 
+    @staticmethod
+    def _check_first_boot_host_keys(rule: dict) -> None:
+        Faults._keys(rule, {"seconds", "publish_after", "name_regex"})
+        Faults._seconds(rule, required=True)
+        Faults._regex(rule, "name_regex")
+        lag = rule.get("publish_after", 1)
+        if not isinstance(lag, (int, float)) or isinstance(lag, bool) or not 0 <= lag <= 600:
+            raise ValueError("'publish_after' must be a number of seconds (0 <= publish_after <= 600)")
+
     KINDS = {
         "insert_fails_after_accept": _check_insert_fails_after_accept,
         "http_errors": _check_http_errors,
@@ -278,6 +295,7 @@ class Faults:
         "host_key_mismatch": _check_host_key_mismatch,
         "flex_start_wait": _check_flex_start_wait,
         "max_run_duration_refused": _check_max_run_duration_refused,
+        "first_boot_host_keys": _check_first_boot_host_keys,
     }
     # Kinds whose rules without `count` stay on until replaced (kept as it always was).
     STICKY = {"insert_fails_after_accept", "max_run_duration_refused"}
@@ -397,6 +415,7 @@ class InsertFaults:
     fail: dict | None = None
     ssh_refused: dict | None = None
     ssh_banner_timeout: dict | None = None
+    first_boot_host_keys: dict | None = None
 
 
 def unrelated_ed25519_key() -> str:

@@ -53,6 +53,8 @@ class Instance:
         self.termination_action: str | None = None  # "DELETE" | "STOP"
         self.terminate_at: float | None = None  # epoch seconds; set while RUNNING with a limit
         self.published_host_key: tuple[str, str] | None = None  # host_key_mismatch: (type, base64)
+        # first_boot_host_keys: the keys the guest attributes still show while the VM's are new.
+        self.published_host_keys: list[tuple[str, str]] | None = None
         self.reservation: tuple[str, str, str] | None = None  # (project, zone, name) it consumes
         # Flex-start: the insert's params.requestValidForDuration (seconds; None if not given) and
         # the flex_start_wait fault it took (how long capacity takes to come, in seconds).
@@ -175,6 +177,7 @@ class InstanceResources(Operations):
             if faults.fail is None:
                 faults.ssh_refused = self.faults.take("ssh_refused", name=name)
                 faults.ssh_banner_timeout = self.faults.take("ssh_banner_timeout", name=name)
+                faults.first_boot_host_keys = self.faults.take("first_boot_host_keys", name=name)
                 if self.faults.take("host_key_mismatch", name=name) is not None:
                     inst.published_host_key = ("ssh-ed25519", unrelated_ed25519_key())
         self._spawn(self._run_insert, inst, op, faults)

@@ -87,9 +87,10 @@ class InstanceLifecycle(Operations):
                 inst.vm = vm
                 vm.prepare()
                 disk_images.restore(inst.image_dir, vm.root)  # what an image of a boot disk holds
-                GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(
-                    metadata, project_metadata, self.os_login.accounts()
-                )
+                if faults.first_boot_host_keys is None:  # else after the first-boot key change (guest_agent.py)
+                    GuestAccounts(vm.root, skel(inst.image_dir)).apply_metadata(
+                        metadata, project_metadata, self.os_login.accounts()
+                    )
                 if refuse_for is None:  # ssh_refused: sshd starts later (see _sshd_faults)
                     vm.start()
                     vm.wait_ready(self.vm_ready_timeout)
@@ -110,6 +111,8 @@ class InstanceLifecycle(Operations):
             self._op_done(op, ("INTERNAL_ERROR", f"localcloud: VM failed to start: {exc}"))
             return
         self._op_done(op)
+        if running_since is not None and faults.first_boot_host_keys is not None:
+            self._first_boot_host_keys(inst, vm, faults.first_boot_host_keys, running_since)  # guest_agent.py
         if running_since is not None and (refuse_for is not None or hang_for is not None):
             threading.Thread(
                 target=self._sshd_faults, args=(inst, vm, refuse_for, hang_for, running_since), daemon=True

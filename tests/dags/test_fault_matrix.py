@@ -113,6 +113,12 @@ MATRIX = [
     Fault("SSH refused, then up", cloud={"ssh_refused": {"seconds": 8}}, outcome="success"),
     Fault("SSH banner hangs, then up", cloud={"ssh_banner_timeout": {"seconds": 8}}, outcome="success"),
     Fault(
+        "host keys change during the first boot (the guest agent's new keys served before they are published)",
+        cloud={"first_boot_host_keys": {"seconds": 3, "publish_after": 1}},
+        outcome="success",
+        log="SSH host keys pinned",
+    ),
+    Fault(
         "VM's sshd shows a host key other than the one it published",
         cloud={"host_key_mismatch": {}},
         failed_task="wait_for_ssh",

@@ -86,7 +86,13 @@ def test_no_ssh_keys_pile_up_and_no_step_output_goes_to_xcom(happy_run, hf_token
     assert not [r for r in requests if "setMetadata" in r["path"]]
     # Step output stays in the task logs; only the paths the steps report reach XCom.
     step_tasks = {"install_maxtext", "start_training", "wait_for_ssh"}
-    assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks and not key.endswith(".phase")]
+    assert not [key for key in run.xcoms if key.split(".")[0] in step_tasks and not key.endswith(".phase")
+                and key != "wait_for_ssh.return_value"]
+    # wait_for_ssh's: the VM's public host keys it pinned (later tasks compare with them), its instance id.
+    pinned = run.xcoms["wait_for_ssh.return_value"]
+    vm_name = run.xcoms["plan_run.vm_name"]
+    assert set(pinned) == {"host_keys", "instance_ids"} and set(pinned["host_keys"]) == {vm_name}
+    assert "ssh-ed25519" in pinned["host_keys"][vm_name] and pinned["instance_ids"][vm_name]
     assert set(run.xcoms["convert_checkpoint.return_value"]) == {"base_checkpoint"}
     assert set(run.xcoms["export_to_hf.return_value"]) == {"hf_export"}
     training = run.xcoms["wait_for_final_checkpoint.return_value"]

@@ -64,27 +64,74 @@ def test_serialize_round_trip_holds_plain_values_and_no_secret():
 def test_a_vm_that_takes_the_login_is_ready_after_the_deferral_is_reported(vm, logins):
     spec, address, keys, _ = vm
     started = time.monotonic()
-    assert first_event(trigger_for(spec, address, keys, first_event_after=2)) == {"status": "ready"}
+    # Given the keys the worker read last, the same as the trigger reads: pinned at the first poll.
+    assert first_event(trigger_for(spec, address, keys, first_event_after=2)) == {"status": "ready", "host_keys": keys}
     assert time.monotonic() - started >= 2  # held until the executor has reported the deferral
     assert len(logins) == 1
     assert asyncio.run(closed(logins[0]))
 
 
-def test_without_published_host_keys_the_trigger_reads_them_from_the_compute_api(vm, local_cloud):
-    spec, address, _, _ = vm
+def test_without_host_keys_read_before_the_trigger_pins_them_at_its_second_read(vm, local_cloud):
+    spec, address, keys, _ = vm
     before = len(local_cloud.requests())
-    assert first_event(trigger_for(spec, address, {})) == {"status": "ready"}
+    assert first_event(trigger_for(spec, address, {})) == {"status": "ready", "host_keys": keys}
     reads = [r for r in local_cloud.requests()[before:] if r["path"].endswith(f"/instances/{spec.vm_name}/getGuestAttributes")]
-    assert [r["query"].get("queryPath") for r in reads] == ["hostkeys/"]  # read once, on the triggerer
+    assert [r["query"].get("queryPath") for r in reads] == ["hostkeys/"] * 2  # two reads in a row, the same
 
 
-def test_a_host_key_other_than_the_published_one_is_refused(vm):
+def published_in_turn(monkeypatch, *reads):
+    """The VM publishes `reads` in turn (a dict, or None for what it really publishes), the last one after."""
+    answers = list(reads)
+    real = SshReadyTrigger._host_keys
+
+    def published(self):
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        return real(self) if answer is None else answer
+
+    monkeypatch.setattr(SshReadyTrigger, "_host_keys", published)
+
+
+def test_a_host_key_other_than_the_one_published_all_along_is_refused_past_the_grace(vm, monkeypatch):
+    from maxtext_sft.vm import access as vm_access
+
     spec, address, _, _ = vm
-    event = first_event(trigger_for(spec, address, WRONG_KEY))
+    monkeypatch.setattr(vm_access, "HOST_KEY_MISMATCH_GRACE_SECONDS", 1)
+    published_in_turn(monkeypatch, WRONG_KEY)  # what the VM publishes is not its sshd's key, at every read
+    started = time.time()
+    event = first_event(trigger_for(spec, address, {}))
     assert event["status"] == "refused" and event["kind"] == "host_key", event
+    assert time.time() - started >= 1
     # As the workers' VmSSHHook says it (the fault matrix's cause).
     assert "not the ssh-ed25519 key the VM published in its guest attributes" in event["message"]
-    assert "refusing to connect" in event["message"]
+    assert "refusing to connect" in event["message"] and "for 1 s, the same keys published all along" in event["message"]
+
+
+def test_host_keys_changing_during_the_first_boot_are_read_until_they_settle(vm, monkeypatch):
+    """The old key published while sshd shows a new one (a first boot's guest agent), then the new
+    one published: polled on, and pinned once two reads agree and the login works."""
+    spec, address, keys, _ = vm
+    published_in_turn(monkeypatch, WRONG_KEY, None)
+    logins = []
+    login = SshReadyTrigger._login
+
+    async def counted(self, host_keys):
+        logins.append(dict(host_keys))
+        return await login(self, host_keys)
+
+    monkeypatch.setattr(SshReadyTrigger, "_login", counted)
+    event = first_event(trigger_for(spec, address, {"ssh-ed25519": keys["ssh-ed25519"][:-4] + "AAA="}))
+    assert event == {"status": "ready", "host_keys": keys}
+    assert logins == [WRONG_KEY, keys, keys]  # a mismatch, then the published keys twice
+
+
+def test_host_keys_that_never_settle_reach_the_bound_naming_the_mismatch(vm, monkeypatch):
+    spec, address, keys, _ = vm
+    other = {"ssh-ed25519": WRONG_KEY["ssh-ed25519"][:-8] + "AAAAAAA="}
+    turns = [WRONG_KEY, other] * 200  # a different wrong key at every read: never the same twice
+    monkeypatch.setattr(SshReadyTrigger, "_host_keys", lambda self: turns.pop(0))
+    event = first_event(trigger_for(spec, address, {}, deadline=time.time() + 2))
+    assert event["status"] == "unreachable" and event["error_type"] == "HostKeyMismatch", event
+    assert "not the ssh-ed25519 key the VM published" in event["error"]
 
 
 def test_a_refused_login_goes_to_the_worker_at_once_or_after_its_grace(vm):
@@ -164,20 +211,27 @@ def host(spec, address, keys, name=None, **overrides) -> dict:
     return trigger_for(spec, address, keys, **({"vm_name": name} if name else {}), **overrides).serialize()[1]
 
 
-def test_a_slices_hosts_ready_are_named_with_the_event_of_the_one_that_needs_the_worker(vm, running):
+@pytest.fixture
+def keys_as_given(monkeypatch):
+    """Each host publishes the keys its trigger was given: the slice tests' hosts at addresses where
+    nothing answers are not VMs the Compute API knows."""
+    monkeypatch.setattr(SshReadyTrigger, "_host_keys", lambda self: dict(self.host_keys))
+
+
+def test_a_slices_hosts_ready_are_named_with_the_event_of_the_one_that_needs_the_worker(vm, running, keys_as_given):
     spec, address, keys, _ = vm
     deadline = time.time() + 2
     trigger = SliceSshReadyTrigger(hosts=[host(spec, address, keys), host(spec, NOBODY, keys, "host-1", deadline=deadline)])
     assert SliceSshReadyTrigger(**trigger.serialize()[1]).serialize() == trigger.serialize()
     assert json.loads(json.dumps(trigger.serialize()[1])) == trigger.serialize()[1]
     event = first_event(trigger)
-    assert event["ready"] == [spec.vm_name]
+    assert event["ready"] == [spec.vm_name] and event["host_keys"] == {spec.vm_name: keys}
     assert event["events"] == {"host-1": {"status": "unreachable", "error_type": "ConnectionRefusedError",
                                           "error": event["events"]["host-1"]["error"]}}
     assert time.time() >= deadline
 
 
-def test_at_the_bound_every_waiting_hosts_last_error_comes_back(vm, running):
+def test_at_the_bound_every_waiting_hosts_last_error_comes_back(vm, running, keys_as_given):
     spec, _, keys, _ = vm
     deadline = time.time() + 1
     event = first_event(SliceSshReadyTrigger(hosts=[
@@ -187,7 +241,9 @@ def test_at_the_bound_every_waiting_hosts_last_error_comes_back(vm, running):
     assert ELSEWHERE in event["events"]["host-1"]["error"] and NOBODY in event["events"]["host-0"]["error"]
 
 
-def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_connections(vm, logins, monkeypatch):
+def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_connections(
+    vm, logins, monkeypatch, keys_as_given
+):
     """Host 1 is gone (the Compute API's 404 to the trigger): the event leaves at once, and the
     login host 0 has open (a command that lasts stands in for `true`) is closed."""
     spec, address, keys, _ = vm
@@ -196,7 +252,7 @@ def test_a_host_that_needs_the_worker_ends_the_other_hosts_logins_closing_their_
     event = first_event(SliceSshReadyTrigger(hosts=[
         host(spec, address, keys), host(spec, NOBODY, keys, "no-such-vm", first_poll_after=1),
     ]))
-    assert event == {"ready": [], "events": {"no-such-vm": {"status": "look_again"}}}
+    assert event == {"ready": [], "host_keys": {}, "events": {"no-such-vm": {"status": "look_again"}}}
     assert time.monotonic() - started < 30 and len(logins) == 1
     assert asyncio.run(closed(logins[0]))
 
@@ -214,5 +270,5 @@ def test_host_keys_the_compute_api_could_not_read_are_read_again_at_the_next_pol
         return read(*args)
 
     monkeypatch.setattr(vm_access, "published_host_keys", flaky)
-    assert first_event(trigger_for(spec, address, {})) == {"status": "ready"}
-    assert len(reads) == 2
+    assert first_event(trigger_for(spec, address, {}))["status"] == "ready"
+    assert len(reads) == 3  # failed, then two reads in a row, the same

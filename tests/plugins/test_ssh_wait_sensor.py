@@ -17,6 +17,7 @@ from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
 from maxtext_sft.tasks import vm_sensors as sensors
 from maxtext_sft.vm.ssh_ready import SliceSshReadyTrigger, SshReadyTrigger
 from tests.plugins.test_spec import make_spec
+from tests.plugins.test_ssh_login_probe import FakeHook
 from tests.plugins.test_unreachable_bound import DagRun, StateStore
 
 TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "proxy_command": None}
@@ -49,24 +50,8 @@ def fake(monkeypatch):
         def status(self):
             return vm.status
 
-    class Hook:
-        def __init__(self, spec):
-            self.name = spec.vm_name
-
-        def get_conn(self):
-            if error := vm.logins.get(self.name, vm.login):
-                raise error
-            return self
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *_):
-            return False
-
-        def run_command(self, command, **_):
-            assert command == "true"
-            return 0, []
+    def hook(spec, *_, **__):
+        return FakeHook(vm.host_keys, vm.logins.get(spec.vm_name, vm.login))
 
     class Compute:
         def __init__(self, gcp_conn_id):
@@ -74,6 +59,9 @@ def fake(monkeypatch):
 
         def os_login_enabled(self, resource_id, zone, project_id):
             return vm.os_login
+
+        def get_instance_info(self, zone, resource_id, project_id):
+            return {"id": f"id-of-{resource_id}"}
 
     def ssh_target(spec, gcp_conn_id, *, host_keys_required=True):
         if vm.target_error:
@@ -91,11 +79,13 @@ def fake(monkeypatch):
 
     STORE.clear()
     monkeypatch.setattr(sensors.time, "time", lambda: vm.now)  # the sensor's and the probe's clock
+    vm.slept = []
+    monkeypatch.setattr(sensors.time, "sleep", lambda seconds: (vm.slept.append(seconds), setattr(vm, "now", vm.now + seconds)))
     monkeypatch.setattr(sensors, "VmRemake", Remake)
     monkeypatch.setattr(sensors, "ssh_target", ssh_target)
     monkeypatch.setattr(sensors, "start_autostop", autostop)
     monkeypatch.setattr(sensors, "check_hosts_running", check_hosts_running)
-    monkeypatch.setattr(vm_access, "vm_ssh_hook", lambda spec, *_, **__: Hook(spec))
+    monkeypatch.setattr(vm_access, "vm_ssh_hook", hook)
     monkeypatch.setattr(vm_access, "ComputeEngineEndpointHook", Compute)
     return vm
 
@@ -136,17 +126,41 @@ def resume(deferral: TaskDeferred, event, spec=None):
     return sensor(spec).resume_execution(deferral.method_name, {**(deferral.kwargs or {}), "event": event}, context())
 
 
-def test_a_vm_that_answers_the_first_check_starts_its_autostop_without_deferring(fake):
+def pinned(name: str, keys=None) -> dict:
+    """The wait's XCom once it pinned `name`'s host keys (the fake Compute API's instance id)."""
+    return {"host_keys": {name: keys or TARGET["host_keys"]}, "instance_ids": {name: f"id-of-{name}"}}
+
+
+def test_a_vm_that_answers_the_first_check_pins_its_keys_a_poll_later_and_starts_its_autostop(fake):
     fake.login = None
-    assert check() is None
-    assert fake.autostops == 1
+    assert check() == pinned(make_spec().vm_name)  # the keys read twice, a poll apart, the same
+    assert fake.slept == [5] and fake.autostops == 1  # no deferral for that one poll
+
+
+def test_host_keys_that_change_between_the_two_reads_are_read_again_on_the_triggerer(fake):
+    fake.login = None
+    reads = iter([{"ssh-ed25519": "OLD1"}, {"ssh-ed25519": "NEW1"}])
+    real_hook = vm_access.vm_ssh_hook
+
+    def changing(spec, *args, **kwargs):
+        hook = real_hook(spec, *args, **kwargs)
+        hook.published_host_keys = next(reads)
+        return hook
+
+    vm_access.vm_ssh_hook = changing
+    try:
+        deferral = deferred(lambda: check())
+    finally:
+        vm_access.vm_ssh_hook = real_hook
+    assert deferral.trigger.host_keys == {"ssh-ed25519": "NEW1"}  # the last read: the trigger's next must agree
+    assert fake.autostops == 0
 
 
 def test_an_unanswering_vm_defers_to_the_ssh_trigger_with_plain_values_and_no_secret(fake):
     deferral = deferred(lambda: check())
     trigger = deferral.trigger
     assert isinstance(trigger, SshReadyTrigger) and deferral.method_name == "resume_after_login"
-    assert (trigger.host, trigger.host_keys) == (TARGET["host"], TARGET["host_keys"])  # the only keys accepted
+    assert (trigger.host, trigger.host_keys) == (TARGET["host"], {})  # no login met a key yet: none read
     assert trigger.deadline == 1_000 + 600  # ssh_ready_timeout_seconds from the first check
     assert trigger.poll_interval == 5 and trigger.first_event_after == 60
     assert trigger.refused_until is None and trigger.first_refused is None
@@ -171,7 +185,8 @@ def test_a_vm_gone_or_stopped_is_done_at_once(fake):
 def test_the_login_working_on_the_triggerer_starts_the_autostop(fake):
     deferral = deferred(lambda: check())
     fake.now += 30
-    assert resume(deferral, {"status": "ready"}) is None
+    keys = {"ssh-ed25519": "BBBB"}  # what settled on the triggerer
+    assert resume(deferral, {"status": "ready", "host_keys": keys}) == pinned(make_spec().vm_name, keys)
     assert fake.autostops == 1
 
 
@@ -243,14 +258,18 @@ def test_no_ssh_target_just_now_checks_again_on_the_worker_after_a_pause(fake):
     pause = deferred(lambda: resume(deferral, {"status": "look_again"}))
     assert isinstance(pause.trigger, TimeDeltaTrigger) and pause.method_name == "resume_check"
     fake.target_error, fake.login = None, None
-    assert resume(pause, {"moment": "2026-12-03T00:00:00+00:00"}) is None and fake.autostops == 1
+    assert resume(pause, {"moment": "2026-12-03T00:00:00+00:00"}) == pinned(make_spec().vm_name)
+    assert fake.autostops == 1 and fake.slept == [5]  # read twice, a poll apart
 
 
 def test_not_deferrable_it_pokes_as_before(fake, monkeypatch):
     """deferrable=False ([maxtext_sft] ssh_wait_deferrable = false): BaseSensorOperator's poke loop."""
-    monkeypatch.setattr(sensors.BaseSensorOperator, "execute", lambda self, context: ("poked", self.poke(context)))
+    monkeypatch.setattr(sensors.BaseSensorOperator, "execute",
+                        lambda self, context: ("poked", self.poke(context), self.poke(context)))
     fake.login = None
-    assert check(deferrable=False) == ("poked", True)
+    poked, first, second = check(deferrable=False)
+    assert first is False  # the keys read once
+    assert second.is_done and second.xcom_value == pinned(make_spec().vm_name)  # the same a poke later
 
 
 def test_a_retry_waits_its_own_bound(fake):
@@ -285,26 +304,33 @@ def resume_slice(deferral: TaskDeferred, event):
 def test_a_slice_defers_one_trigger_for_the_hosts_still_waiting(fake):
     fake.logins = {"slice-host-0": None}  # host 0 answers the worker's check
     deferral = deferred(lambda: slice_sensor().execute(context()))
-    assert fake.autostopped == ["slice-host-0"]
-    trigger = deferral.trigger
-    assert isinstance(trigger, SliceSshReadyTrigger) and deferral.method_name == "resume_after_logins"
+    second = deferred(lambda: resume_slice(deferral, {"ready": [], "host_keys": {}, "events": {
+        "slice-host-1": {"status": "look_again"}, "slice-host-2": {"status": "look_again"}}}))
+    assert fake.autostopped == ["slice-host-0"]  # its keys read a second time, the same: pinned
+    trigger = second.trigger
+    assert isinstance(trigger, SliceSshReadyTrigger) and second.method_name == "resume_after_logins"
     assert [host["vm_name"] for host in trigger.hosts] == ["slice-host-1", "slice-host-2"]
     assert {host["deadline"] for host in trigger.hosts} == {1_600} and trigger.first_event_after == 60
     assert json.loads(json.dumps(trigger.serialize()[1])) == trigger.serialize()[1]
 
     # The trigger saw both log in: their autostops, and the wait is over.
-    assert resume_slice(deferral, {"ready": ["slice-host-1", "slice-host-2"], "events": {}}) is None
+    keys = {"ssh-ed25519": "CCCC"}
+    done = resume_slice(second, {"ready": ["slice-host-1", "slice-host-2"],
+                                 "host_keys": {"slice-host-1": keys, "slice-host-2": keys}, "events": {}})
+    assert done["host_keys"] == {"slice-host-0": TARGET["host_keys"], "slice-host-1": keys, "slice-host-2": keys}
     assert fake.autostopped == ["slice-host-0", "slice-host-1", "slice-host-2"]
 
 
 def test_a_slice_host_refused_goes_back_to_the_trigger_with_the_others_still_waiting(fake):
     deferral = deferred(lambda: slice_sensor().execute(context()))
     fake.now, fake.logins = 1_020, {"slice-host-0": None}  # host 0 answers now
-    event = {"ready": ["slice-host-2"], "events": {"slice-host-1": {
+    event = {"ready": ["slice-host-2"], "host_keys": {"slice-host-2": TARGET["host_keys"]}, "events": {"slice-host-1": {
         "status": "refused", "kind": "login", "message": "10.0.0.3 refused", "first_refused": 1_010}}}
     again = deferred(lambda: resume_slice(deferral, event))
-    assert fake.autostopped == ["slice-host-2", "slice-host-0"]  # no host's autostop twice
-    [host] = again.trigger.hosts
+    # Host 0's keys read once on the worker (the trigger reads them again); no host's autostop twice.
+    assert fake.autostopped == ["slice-host-2"]
+    host_0, host = again.trigger.hosts
+    assert host_0["vm_name"] == "slice-host-0" and host_0["host_keys"] == TARGET["host_keys"]
     assert host["vm_name"] == "slice-host-1" and host["refused_until"] == 1_010 + vm_access.LOGIN_GRACE_SECONDS
 
 
@@ -313,8 +339,8 @@ def test_a_slice_past_its_bound_names_every_waiting_hosts_last_error(fake):
     fake.now += 600
     unreachable = {"status": "unreachable", "error_type": "TimeoutError", "error": ""}
     with pytest.raises(AirflowFailException) as failed:
-        resume_slice(deferral, {"ready": ["slice-host-0"], "events": {"slice-host-1": unreachable,
-                                                                         "slice-host-2": unreachable}})
+        resume_slice(deferral, {"ready": ["slice-host-0"], "host_keys": {"slice-host-0": TARGET["host_keys"]},
+                                "events": {"slice-host-1": unreachable, "slice-host-2": unreachable}})
     reasons = str(failed.value).split("; ")
     assert [reason.split()[1] for reason in reasons] == ["slice-host-1", "slice-host-2"]
     assert all("answered no SSH login for 600 s" in reason and "did not complete" in reason for reason in reasons)

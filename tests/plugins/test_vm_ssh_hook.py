@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from datetime import datetime, timezone
 
@@ -180,3 +181,117 @@ def test_only_an_answered_login_is_a_refusal(monkeypatch, vm, paramiko_says, ref
     assert isinstance(raised.value, LoginRefused) is refused
     assert isinstance(raised.value, paramiko.SSHException) is not refused
     assert not isinstance(raised.value, paramiko.AuthenticationException)
+
+
+# ----- a step past its timeout: its process group is ended before a retry can start it again -----
+
+# A step script's shape (include/vm/*.sh): lib.sh, note_contact; then "hang" leaves a child in the
+# step's group (as pip under install_maxtext.sh) and a detached process (as start_training.sh's
+# training, in a session of its own), or "check PID" says whether process PID is still there.
+STAND_IN_STEP = b"""#!/usr/bin/env bash
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+work_dir=$(resolve_dir "$1")
+note_contact "$work_dir"
+if [ "$2" = check ]; then
+  if process_alive "$3"; then echo "pid $3 alive"; else echo "pid $3 gone"; fi
+  exit 0
+fi
+setsid nohup sleep 600 </dev/null >/dev/null 2>&1 &
+echo "detached $!"
+sleep 600 &
+echo "child $!"
+wait
+"""
+STAND_IN_DIR = ".maxtext-sft/test-steps"
+
+
+@pytest.fixture
+def stand_in_steps(ssh):
+    """The stand-in under an exclusive step's name and a read-only step's, beside the real lib.sh;
+    every process it started is ended after the test."""
+    from maxtext_sft.vm.steps import script_files
+
+    lib = script_files()["lib.sh"]
+    sftp = ssh.get_conn().open_sftp()
+    for path in (".maxtext-sft", STAND_IN_DIR):
+        try:
+            sftp.mkdir(path, mode=0o700)
+        except OSError:
+            pass  # there already
+    for name, content in {"lib.sh": lib, "install_maxtext.sh": STAND_IN_STEP, "training_status.sh": STAND_IN_STEP}.items():
+        with sftp.open(f"{STAND_IN_DIR}/{name}", "wb") as remote:
+            remote.write(content)
+    sftp.close()
+    ssh.upload_scripts(script_files())  # end_step_group.sh, as run_vm_step uploads it before a step
+    yield lambda step, *args: shlex.join(["bash", f"{STAND_IN_DIR}/{step}", "~/stand-in-work", *args])
+    ssh.run_command("pkill -KILL -f 'sleep 600' || true", timeout=30, on_line=lambda line: None)
+
+
+def start_detached_from_the_worker(hook_args, command: str) -> dict[str, int]:
+    """Start `command` on its own connection and drop that connection once the step said what it
+    started, as a worker that died mid-step would (the VM gets no signal): its pids by name."""
+    hook = VmSSHHook(**hook_args)
+    started: dict[str, int] = {}
+    with hook.get_conn() as client:
+        channel = client.get_transport().open_session()
+        channel.set_combine_stderr(True)
+        channel.exec_command(command)
+        channel.shutdown_write()
+        output = b""
+        deadline = time.monotonic() + 30
+        while "child" not in started and time.monotonic() < deadline:
+            if channel.recv_ready():
+                output += channel.recv(65536)
+                started = {k: int(v) for k, v in re.findall(rb"^(detached|child) ([0-9]+)$", output, re.M)}
+                started = {k.decode(): v for k, v in started.items()}
+            else:
+                time.sleep(0.05)
+    return started
+
+
+def alive(ssh, pid: int) -> bool:
+    lines: list[str] = []
+    ssh.run_command(f"ps -o stat= -p {int(pid)} || true", timeout=30, on_line=lines.append)
+    return bool(lines) and not lines[0].startswith("Z")
+
+
+def test_a_step_past_its_timeout_is_ended_and_its_retry_finds_none_of_it(ssh, stand_in_steps):
+    from maxtext_sft.vm.ssh import RemoteCommandError
+
+    lines: list[str] = []
+    with pytest.raises(RemoteCommandError, match=r"after 3 s \(its process group [0-9]+ was ended\)"):
+        ssh.run_command(stand_in_steps("install_maxtext.sh", "hang"), timeout=3, on_line=lines.append)
+    pids = {k: int(v) for k, v in (line.split() for line in lines if line.split()[0] in ("child", "detached"))}
+    assert not any(line.startswith("MAXTEXT_SFT_STEP_GROUP") for line in lines)  # for the hook, not the log
+    retry: list[str] = []
+    status, _ = ssh.run_command(stand_in_steps("install_maxtext.sh", "check", str(pids["child"])), timeout=60,
+                                on_line=retry.append)
+    assert status == 0 and f"pid {pids['child']} gone" in retry
+    assert not any("still running" in line for line in retry)  # the timeout had ended it already
+    assert alive(ssh, pids["detached"])  # what a step detaches (the training, the autostop) stays
+
+
+def test_a_new_run_of_an_exclusive_step_ends_an_earlier_one_its_worker_left_running(vm, ssh, stand_in_steps):
+    address, host_keys = vm
+    hook_args = dict(ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys, conn_timeout=10)
+    first = start_detached_from_the_worker(hook_args, stand_in_steps("install_maxtext.sh", "hang"))
+    assert alive(ssh, first["child"])  # no SIGHUP without a pty: the first install goes on
+    second: list[str] = []
+    status, _ = ssh.run_command(stand_in_steps("install_maxtext.sh", "check", str(first["child"])), timeout=60,
+                                on_line=second.append)
+    assert status == 0, second
+    assert any(line.startswith("An earlier install_maxtext.sh is still running") for line in second), second
+    assert f"pid {first['child']} gone" in second  # gone before the second one's own work began
+    assert alive(ssh, first["detached"])
+
+
+def test_read_only_steps_run_side_by_side(vm, ssh, stand_in_steps):
+    """training_status.sh from the trigger and from a worker at once: neither ends the other."""
+    address, host_keys = vm
+    hook_args = dict(ssh_conn_id=SSH_CONN_ID, remote_host=address, host_keys=host_keys, conn_timeout=10)
+    first = start_detached_from_the_worker(hook_args, stand_in_steps("training_status.sh", "hang"))
+    second: list[str] = []
+    status, _ = ssh.run_command(stand_in_steps("training_status.sh", "check", str(first["child"])), timeout=60,
+                                on_line=second.append)
+    assert status == 0 and f"pid {first['child']} alive" in second, second

@@ -23,8 +23,10 @@ from maxtext_sft.run.spec import RunSpec
 from maxtext_sft.cloud.trigger_start import xcom_arg_template
 from maxtext_sft.vm.access import (
     LOGIN_GRACE_SECONDS,
+    PINNED_KEYS,
     HostKeysNotPublished,
     SshLoginProbe,
+    instance_id,
     ssh_target,
     start_autostop,
     transient_ssh_errors,
@@ -128,7 +130,14 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
     (the login works: the worker starts the autostop; a login refused or a host key not the VM's;
     ssh_ready_timeout_seconds passed; the VM gone or stopped). With deferrable=False it pokes,
     holding its worker slot. What a wait keeps across its task processes (when it began, when
-    each host first refused the login, the hosts ready) is in the task state store, per try."""
+    each host first refused the login, the host keys read last, the hosts ready and their keys) is
+    in the task state store, per try.
+
+    A host is ready once its host keys have settled (vm.access.host_keys_settled): they are pinned,
+    and its XCom hands them on ({"host_keys": {vm_name: keys}, "instance_ids": {vm_name: id}}): the
+    run's later tasks refuse a VM whose keys changed since (vm.access.check_pinned_host_keys)."""
+
+    pins_host_keys = True  # vm.access.pinned_host_keys finds the run's pinned keys in this task's XCom
 
     def __init__(
         self, *, capacity_first_read_seconds: float = CAPACITY_FIRST_READ_SECONDS, deferrable: bool = True, **kwargs
@@ -138,17 +147,33 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         self.deferrable = deferrable
         self._probes: dict[str, SshLoginProbe] = {}  # one per host for this task process
 
-    def poke(self, context) -> bool:
+    def poke(self, context) -> bool | PokeReturnValue:
         spec = self.run_spec
         status = VmRemake(spec, gcp_conn_id=self.gcp_conn_id, ssh_conn_id=self.ssh_conn_id, log=self.log).status()
         if status in (None, "TERMINATED"):
             self.log.warning("VM %s is %s: the next step makes it again", spec.vm_name, status or "gone")
             return True
         try:
-            return self._logins(context, [spec], lambda _: self.log)
+            return self._logins(context, [spec], lambda _: self.log) and self._pins(context)
         except NotFound:  # deleted while this poke ran: as above
             self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
             return True
+
+    def _pin(self, context, spec: RunSpec, host_keys: dict[str, str]) -> None:
+        """Keep `spec`'s settled host keys, and which instance showed them, for this wait's XCom."""
+        store, key = self._state(context, self._try_key(context, "ssh_pinned"))
+        pinned = dict(store.get(key) or {})
+        pinned[spec.vm_name] = {"host_keys": dict(host_keys), "instance_id": instance_id(spec, self.gcp_conn_id)}
+        store.set(key, pinned)
+
+    def _pins(self, context) -> PokeReturnValue:
+        """Done, with the pinned host keys of every host as the XCom."""
+        store, key = self._state(context, self._try_key(context, "ssh_pinned"))
+        pinned = store.get(key) or {}
+        return PokeReturnValue(True, {
+            PINNED_KEYS: {name: entry["host_keys"] for name, entry in pinned.items()},
+            "instance_ids": {name: entry["instance_id"] for name, entry in pinned.items()},
+        })
 
     def _logins(self, context, specs: list[RunSpec], log_of: Callable[[RunSpec], Any]) -> bool:
         """Try the login on every host of `specs` not ready yet, start the autostop of each one it
@@ -160,7 +185,13 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             if spec.vm_name in ready:
                 continue
             host_log = log_of(spec)
-            if self._probe(context, spec, host_log)():
+            probe = self._probe(context, spec, host_log)
+            try:
+                logged_in = probe()
+            finally:
+                self._keep_last_keys(context, spec)
+            if logged_in:
+                self._pin(context, spec, probe.pinned or {})
                 start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, host_log)
                 ready.append(spec.vm_name)
                 store.set(key, ready)
@@ -182,11 +213,23 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         the first."""
         if spec.vm_name not in self._probes:
             store, key = self._state(context, self._try_key(context, f"login_refused_since_{spec.vm_name}"))
+            keys_store, keys_key = self._state(context, self._try_key(context, f"host_keys_read_{spec.vm_name}"))
             self._probes[spec.vm_name] = SshLoginProbe(
-                spec, self.gcp_conn_id, self.ssh_conn_id, log or self.log, first_refused=store.get(key)
+                spec, self.gcp_conn_id, self.ssh_conn_id, log or self.log, first_refused=store.get(key),
+                last_keys=keys_store.get(keys_key),
             )
             self._wait_started(context)
         return self._probes[spec.vm_name]
+
+    def _keep_last_keys(self, context, spec: RunSpec) -> None:
+        """The host keys `spec`'s VM published at the probe's last read whose login met one of
+        them, for this wait's next read, in its next task process too."""
+        probe = self._probe(context, spec)
+        store, key = self._state(context, self._try_key(context, f"host_keys_read_{spec.vm_name}"))
+        if probe.last_keys and store.get(key) != probe.last_keys:
+            store.set(key, probe.last_keys)
+        elif not probe.last_keys and store.get(key) is not None:  # sshd showed another key since
+            store.delete(key)
 
     def _wait_started(self, context) -> float:
         """When this try's wait began (epoch seconds): its first check."""
@@ -220,10 +263,19 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
 
     # ----- deferrable: a check on the worker, then the triggerer's logins until one needs the worker -----
 
-    def _check(self, context) -> None:
-        """One check on the worker, as a poke; while a host does not answer, defer."""
-        if not self.poke(context):
+    def _check(self, context) -> dict | None:
+        """One check on the worker, as a poke; while a host does not answer, defer. Returns the
+        pinned host keys (the XCom)."""
+        done = self.poke(context)
+        waiting = self._waiting_hosts(context) if not done else []
+        if waiting and all(self._probe(context, spec).awaiting_second_read for spec in waiting):
+            # Every host took the login with keys read once: the second read, a poll later, pins
+            # them; cheaper here than a deferral and its event's hold.
+            time.sleep(self.poke_interval)
+            done = self.poke(context)
+        if not done:
             self._defer_to_ssh_trigger(context)
+        return done.xcom_value if isinstance(done, PokeReturnValue) else None
 
     def _host_trigger(self, context, spec: RunSpec) -> SshReadyTrigger | None:
         """The SSH ready trigger of one waiting host (None: it is gone)."""
@@ -237,8 +289,11 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
             # Not answering the Compute API just now: the worker checks again after a pause, one
             # that waits out the executor's report of the deferral as the trigger's events do.
             _check_again_after(self, error, max(self.poke_interval, self.capacity_first_read_seconds))
+        # The host keys read last (none yet: {}): the trigger reads them at every poll, and pins them
+        # once they stay the same.
+        target = {**target, "host_keys": probe.last_keys or {}}
         return SshReadyTrigger(
-            **_vm_ssh_trigger_args(self, spec, target),  # no host keys yet: the trigger reads them
+            **_vm_ssh_trigger_args(self, spec, target),
             deadline=self._wait_started(context) + self.run_spec.ssh_ready_timeout_seconds,
             refused_until=probe.first_refused + LOGIN_GRACE_SECONDS if probe.first_refused is not None else None,
             first_refused=probe.first_refused,
@@ -258,10 +313,12 @@ class VmSshReadySensor(_KeptState, RunTaskOperator, BaseSensorOperator):
         spec = self.run_spec
         if event["status"] == "ready":
             try:
+                self._pin(context, spec, event["host_keys"])
                 start_autostop(spec, self.gcp_conn_id, self.ssh_conn_id, self.log)
             except NotFound:  # deleted since the login: as a check that finds it gone, done
                 self.log.warning("VM %s does not exist (%s): the next step makes it again", spec.vm_name, VM_GONE)
-            return None
+                return None
+            return self._pins(context).xcom_value
         return self._judge(context, {spec.vm_name: event})
 
     def _judge(self, context, events: dict[str, dict]) -> None:
@@ -717,11 +774,11 @@ class SliceSshReadySensor(VmSshReadySensor):
     host gone or not RUNNING fails the run. Deferrable as on one VM: one check of every host on the
     worker, then `SliceSshReadyTrigger` tries the hosts still waiting, all at once."""
 
-    def poke(self, context) -> bool:
+    def poke(self, context) -> bool | PokeReturnValue:
         specs = self.host_specs
         check_hosts_running(specs, self.gcp_conn_id)
         if self._logins(context, specs, lambda spec: HostLog(self.log, spec.vm_name)):
-            return True
+            return self._pins(context)
         self.log.info("%d of %d hosts answer SSH", len(specs) - len(self._waiting_hosts(context)), len(specs))
         return False
 
@@ -741,10 +798,11 @@ class SliceSshReadySensor(VmSshReadySensor):
         specs = {spec.vm_name: spec for spec in self.host_specs}
         store, key = self._state(context, self._try_key(context, "ssh_ready_hosts"))
         for name in event["ready"]:
+            self._pin(context, specs[name], event["host_keys"][name])
             start_autostop(specs[name], self.gcp_conn_id, self.ssh_conn_id, HostLog(self.log, name))
             store.set(key, [*(store.get(key) or []), name])
         if not event["events"]:
-            return None
+            return self._pins(context).xcom_value
         return self._judge(context, event["events"])
 
 

@@ -8,6 +8,8 @@ the VM recovery, which runs the same steps on a recreated VM.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import shlex
 import time
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ from googleapiclient.errors import HttpError
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.cloud.hub import hf_token
-from maxtext_sft.vm.ssh_common import LoginRefused
+from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
 from maxtext_sft.run.spec import RunSpec
 from maxtext_sft.vm.steps import STEPS, parse_results, remote_command, script_files
 
@@ -76,6 +78,7 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     )
     if target["username"]:
         hook.username = target["username"]
+    hook.published_host_keys = dict(target["host_keys"])  # what the VM published, read for this hook
     return hook
 
 
@@ -92,6 +95,73 @@ def published_host_keys(
     return keys
 
 
+def key_fingerprints(host_keys: dict[str, str]) -> str:
+    """The keys' types and the start of their SHA256 fingerprints, as ssh-keygen -l shows them."""
+    def fingerprint(blob: str) -> str:
+        digest = base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
+        return f"SHA256:{digest[:12]}..."
+
+    return ", ".join(f"{kind} {fingerprint(blob)}" for kind, blob in sorted(host_keys.items())) or "none"
+
+
+# What the wait for SSH (tasks/vm_sensors.VmSshReadySensor, the task whose operator has
+# `pins_host_keys`) hands on in its XCom: {"host_keys": {vm_name: {type: base64}},
+# "instance_ids": {vm_name: id}}. A task of the same run compares what the VM publishes with it.
+PINNED_KEYS = "host_keys"
+
+
+def pinned_host_keys(vm_name: str) -> tuple[dict[str, str], str] | None:
+    """(keys, instance id) the run's wait for SSH pinned for VM `vm_name`, read from its XCom when
+    this runs in another task of that run; None elsewhere (the wait itself, a trigger, no task)."""
+    try:
+        from airflow.sdk import get_current_context
+
+        context = get_current_context()
+    except Exception:  # noqa: BLE001 - not in a task: nothing pinned to compare with
+        return None
+    ti, dag = context.get("ti"), context.get("dag")
+    waits = [task_id for task_id, task in getattr(dag, "task_dict", {}).items() if getattr(task, "pins_host_keys", False)]
+    if ti is None or not waits or ti.task_id in waits:
+        return None
+    record = ti.xcom_pull(task_ids=waits[0]) or {}
+    keys = (record.get(PINNED_KEYS) or {}).get(vm_name)
+    return (keys, str((record.get("instance_ids") or {}).get(vm_name) or "")) if keys else None
+
+
+def instance_id(spec: RunSpec, gcp_conn_id: str, hook: ComputeEngineEndpointHook | None = None) -> str:
+    """The id of the instance named `spec.vm_name` now (a VM made again under its name has a new
+    one); NotFound when it is gone, as vm_address."""
+    hook = hook or ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
+    try:
+        info = hook.get_instance_info(zone=spec.zone, resource_id=spec.vm_name, project_id=spec.project_id)
+    except HttpError as error:
+        if error.resp.status == 404:
+            raise NotFound(f"instance {spec.vm_name} not found") from error
+        raise
+    return str(info.get("id") or "")
+
+
+def check_pinned_host_keys(
+    spec: RunSpec, published: dict[str, str], hook: ComputeEngineEndpointHook, pinned: tuple[dict[str, str], str] | None
+) -> None:
+    """Fail (HostKeyMismatch, naming the old and the new keys) when the VM publishes other host
+    keys than the ones the wait for SSH pinned, unless it is another instance than the one pinned
+    (a VM the pipeline made again: its own wait for SSH checks its keys)."""
+    if not pinned or not published:
+        return
+    keys, pinned_id = pinned
+    changed = {kind: blob for kind, blob in published.items() if kind in keys and keys[kind] != blob}
+    if not changed and set(keys) & set(published):
+        return
+    if pinned_id and instance_id(spec, "", hook) != pinned_id:
+        return  # made again since the wait pinned its keys
+    raise HostKeyMismatch(
+        f"The SSH host keys of VM {spec.vm_name} changed after the wait for SSH pinned them: it pinned "
+        f"{key_fingerprints(keys)}; the VM now publishes {key_fingerprints(published)}. A VM's keys change "
+        "only during its first boot; refusing to connect"
+    )
+
+
 def ssh_target(
     spec: RunSpec, gcp_conn_id: str, *, host_keys_required: bool = True, caller: str = "worker"
 ) -> dict[str, Any]:
@@ -101,7 +171,8 @@ def ssh_target(
     With os_login the key is imported anew, valid for its whole lifetime (`caller`: who asks).
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran (without
-    `host_keys_required`, host_keys is then empty: a trigger reads them when they are published).
+    `host_keys_required`, host_keys is then empty: a trigger reads them when they are published),
+    HostKeyMismatch when they are not the ones the run's wait for SSH pinned (`check_pinned_host_keys`).
     """
     from maxtext_sft.cloud.os_login import os_login_key
 
@@ -114,6 +185,7 @@ def ssh_target(
             raise
         keys = {}
     login = os_login_key(spec, gcp_conn_id, caller=caller) if spec.os_login else {"username": None, "os_login": None}
+    check_pinned_host_keys(spec, keys, hook, pinned_host_keys(spec.vm_name))
     return {
         "host": address,
         "host_keys": keys,
@@ -135,16 +207,49 @@ def iap_tunnel_command(spec: RunSpec) -> str:
 LOGIN_GRACE_SECONDS = 90
 
 
-class SshLoginProbe:
-    """Whether a new VM accepts an SSH login as the pipeline's (non-root) user yet.
+# How long sshd may show a key other than the ones published, the same ones all along, before the
+# wait fails: a first boot's guest agent publishes each new key right after it put it in place
+# (google_guest_agent/instance_setup.go, generateSSHKeys), so a longer mismatch is not one.
+HOST_KEY_MISMATCH_GRACE_SECONDS = 15
 
-    Unreachable, no host keys published yet: still booting, False. A refused login is not booting:
-    if OS Login is on by metadata and the run does not use it, it fails at once (the VM ignores the
-    ssh-keys metadata the run's key is in); otherwise it is given LOGIN_GRACE_SECONDS from the
-    first refusal, then fails naming what may refuse it. Keep one probe for one wait.
+
+def host_keys_settled(
+    previous: dict[str, str] | None, published: dict[str, str], mismatch: BaseException | None,
+    mismatched_since: float | None = None,
+) -> bool:
+    """Whether a wait for SSH pins `published`, the host keys read now: the read before found the
+    same ones (`previous`: the keys of the last read whose login met one of them) and the login
+    with them worked now (no `mismatch`: sshd showed one of them). A new VM's keys can change
+    during its first boot (cloud-init's ssh module makes and publishes keys, then the guest agent's
+    first-boot action makes new ones, serves them, and publishes them a moment later:
+    localcloud/compute/guest_agent.py names the sources), so keys read once, or a mismatch, are
+    read again at the next poll (False). Raises HostKeyMismatch when sshd has shown another key
+    since `mismatched_since` (epoch seconds), the same keys published all along, for
+    HOST_KEY_MISMATCH_GRACE_SECONDS: something other than the VM answers."""
+    if mismatch is None:
+        return bool(published) and published == previous
+    if mismatched_since is not None and time.time() - mismatched_since >= HOST_KEY_MISMATCH_GRACE_SECONDS:
+        raise HostKeyMismatch(
+            f"{mismatch} (for {HOST_KEY_MISMATCH_GRACE_SECONDS} s, the same keys published all along)"
+        ) from None
+    return False
+
+
+class SshLoginProbe:
+    """Whether a new VM accepts an SSH login as the pipeline's (non-root) user yet, with host keys
+    that have settled (`host_keys_settled`; then `pinned` holds them).
+
+    Unreachable, no host keys published yet, keys still changing: still booting, False. A refused
+    login is not booting: if OS Login is on by metadata and the run does not use it, it fails at
+    once (the VM ignores the ssh-keys metadata the run's key is in); otherwise it is given
+    LOGIN_GRACE_SECONDS from the first refusal, then fails naming what may refuse it. Keep one
+    probe for one wait.
     """
 
-    def __init__(self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any, *, first_refused: float | None = None):
+    def __init__(
+        self, spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, log: Any, *, first_refused: float | None = None,
+        last_keys: dict[str, str] | None = None,
+    ):
         self.spec = spec
         self.gcp_conn_id = gcp_conn_id
         self.ssh_conn_id = ssh_conn_id
@@ -152,20 +257,55 @@ class SshLoginProbe:
         # When a login was first refused (epoch seconds: a deferred wait's next process goes on from it).
         self.first_refused = first_refused
         self.last_unreachable: BaseException | None = None  # why the VM last did not answer
+        # The host keys published at the last read whose login met one of them; the keys published
+        # while sshd has shown another key, and since when.
+        self.last_keys = dict(last_keys) if last_keys else None
+        self.mismatched: tuple[dict[str, str], float] | None = None  # (keys, since when) sshd showed another
+        self.pinned: dict[str, str] | None = None
+        # The last login worked with keys read for the first time: the next read may pin them.
+        self.awaiting_second_read = False
 
     def __call__(self) -> bool:
         spec = self.spec
+        keys: dict[str, str] = {}
+        self.awaiting_second_read = False
         try:
             hook = vm_ssh_hook(spec, self.gcp_conn_id, self.ssh_conn_id, conn_retry_attempts=1)
+            keys = hook.published_host_keys
             with hook.get_conn():
                 status, _ = hook.run_command("true", timeout=60, on_line=self.log.info)
         except LoginRefused as refused:
+            self.last_keys, self.mismatched = keys, None  # refused after the host key check: it matched
             return self.judge_refusal(refused)
+        except HostKeyMismatch as mismatch:
+            return self.judge_keys(keys, mismatch)
         except (HostKeysNotPublished, *transient_ssh_errors()) as error:
             self.log.info("VM %s does not answer SSH yet: %s", spec.vm_name, error)
             self.last_unreachable = error
             return False
-        return status == 0
+        return status == 0 and self.judge_keys(keys, None)
+
+    def judge_keys(self, keys: dict[str, str], mismatch: HostKeyMismatch | None) -> bool:
+        """After a login with the `keys` read now (`mismatch`: sshd showed another key): whether
+        they settled (pinned), else False (read again at the next poll); raises as host_keys_settled."""
+        previous = self.last_keys
+        if mismatch is None:
+            self.last_keys, self.mismatched = keys, None
+        elif not self.mismatched or self.mismatched[0] != keys:
+            self.last_keys, self.mismatched = None, (keys, time.time())
+        if host_keys_settled(previous, keys, mismatch, self.mismatched[1] if self.mismatched else None):
+            self.pinned = keys
+            self.log.info("VM %s: SSH host keys pinned (%s)", self.spec.vm_name, key_fingerprints(keys))
+            return True
+        if mismatch is not None:
+            self.last_unreachable = mismatch
+            self.log.info("VM %s: its sshd shows a host key it has not published (yet), as during a first "
+                          "boot: reading them again (%s)", self.spec.vm_name, mismatch)
+        else:
+            self.awaiting_second_read = True
+            self.log.info("VM %s takes the login with host keys %s: reading them again to see that they "
+                          "stay", self.spec.vm_name, key_fingerprints(keys))
+        return False
 
     def unreachable_reason(self, seconds: float) -> str:
         """Why the VM answered no SSH login for `seconds`, naming what to fix."""
@@ -215,6 +355,8 @@ def unreachable_reason(spec: RunSpec, seconds: float, error_type: str | None, er
     head = f"VM {spec.vm_name} answered no SSH login for {seconds:.0f} s (ssh_ready_timeout_seconds), reached {how}"
     if error_type == HostKeysNotPublished.__name__:
         return f"{head}: its guest agent published no host keys (guest attributes): {error}"
+    if error_type == HostKeyMismatch.__name__:
+        return f"{head}: its host keys did not settle (its sshd showed keys it had not published): {error}"
     text = (f"{error_type}: {error}" if error else error_type) if error_type else "no answer"
     if "refused" in text.lower() or error_type == ConnectionRefusedError.__name__:
         why = "port 22 refused the connection: nothing listens, or a firewall rejects it"

@@ -130,9 +130,13 @@ class VmSSHHook(SSHHook):
     ) -> tuple[int, list[str]]:
         """Run `command` (already quoted), feed `stdin`, call `on_line` per output line.
 
-        Returns the exit status and the last `tail_lines` lines. Raises RemoteCommandError past `timeout` seconds in total.
+        Returns the exit status and the last `tail_lines` lines. Raises RemoteCommandError past `timeout` seconds in total,
+        once the step's process group is ended (a step script names it: steps.STEP_GROUP_LINE): a channel without a pty
+        that closes sends the remote side no signal, so the step would run on beside the task's retry.
         `stdin` is how secrets travel: never on the command line, never in the log.
         """
+        from maxtext_sft.vm.steps import step_group  # not at parse time: steps reads the include folder
+
         channel = self.get_conn().get_transport().open_session()
         channel.set_combine_stderr(True)
         channel.exec_command(command)
@@ -142,9 +146,14 @@ class VmSSHHook(SSHHook):
         deadline = time.monotonic() + timeout
         pending = b""
         tail: list[str] = []
+        group: tuple[int, int] | None = None  # the step's process group, once it named it
 
         def emit(raw: bytes) -> None:
+            nonlocal group
             line = raw.decode("utf-8", errors="replace").rstrip("\r")
+            if named := step_group(line):  # for this hook, not for the task log
+                group = group or named
+                return
             tail.append(line)
             del tail[:-tail_lines]
             on_line(line)
@@ -153,8 +162,10 @@ class VmSSHHook(SSHHook):
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    channel.close()
+                    ended = self.end_step_group(group, on_line) if group else "it named no process group to end"
                     raise RemoteCommandError(
-                        f"remote command still running after {timeout:.0f} s", None, list(tail)
+                        f"remote command still running after {timeout:.0f} s ({ended})", None, list(tail)
                     )
                 select.select([channel], [], [], min(remaining, 5.0))
                 while channel.recv_ready():
@@ -174,3 +185,18 @@ class VmSSHHook(SSHHook):
             channel.close()
         return status, tail
 
+    def end_step_group(self, group: tuple[int, int], on_line: Callable[[str], None]) -> str:
+        """End a timed-out step's process group over a new channel (include/vm/end_step_group.sh:
+        SIGTERM, SIGKILL after a grace); what happened, for the error. Never raises: when the VM
+        does not answer, the next run of an exclusive step ends the group (lib.sh's claim_step_group)."""
+        from maxtext_sft.vm.steps import STEP_GROUP_GRACE_SECONDS, end_step_command
+
+        try:
+            status, tail = self.run_command(
+                end_step_command(group), timeout=STEP_GROUP_GRACE_SECONDS + 30, on_line=on_line, tail_lines=5
+            )
+        except (RemoteCommandError, OSError, EOFError, paramiko.SSHException) as error:
+            return f"its process group {group[0]} could not be ended: {error}"
+        if status != 0:
+            return f"its process group {group[0]} could not be ended: end_step_group.sh exited {status}: " + " | ".join(tail)
+        return f"its process group {group[0]} was ended"

@@ -1,14 +1,18 @@
 """Wait for a new VM's SSH login on the triggerer: `true` over SSH, every poll, until the worker is needed.
 
-Each poll opens one SSH connection to the VM as the pipeline's user (vm/ssh_async.py:
-asyncssh, only the host keys the VM published are accepted) and runs `true`, a fixed command:
-nothing of the run reaches the VM's shell. Given no host keys (the VM had published none when the
-worker deferred), each poll first reads them from the Compute API, until they are there.
+Each poll reads the host keys the VM publishes from the Compute API, then opens one SSH connection
+to the VM as the pipeline's user (vm/ssh_async.py: asyncssh, only those keys are accepted) and
+runs `true`, a fixed command: nothing of the run reaches the VM's shell. The keys are pinned once
+they have settled (vm.access.host_keys_settled: the same at two reads in a row, the login with
+them working): a new VM's keys can change during its first boot. `host_keys` are the ones the
+worker read last ({} for none).
 
 Events (one, then the trigger ends):
-  {"status": "ready"}   the login worked: the worker starts the VM's autostop
-  {"status": "refused", "kind": "host_key", "message": ...}   not the VM's host key: the worker
-      fails the task, as VmSSHHook's error does
+  {"status": "ready", "host_keys": {...}}   the login worked with keys that settled: the worker
+      pins them and starts the VM's autostop
+  {"status": "refused", "kind": "host_key", "message": ...}   not the VM's host key, with the same
+      keys published for vm.access.HOST_KEY_MISMATCH_GRACE_SECONDS: the worker fails the task, as
+      VmSSHHook's error does
   {"status": "refused", "kind": "login", "message": ..., "first_refused": T}   its sshd refused
       the login (T: when a login was first refused, epoch seconds). Before `refused_until` (the
       worker's grace for a guest agent still making the user) a refusal is polled on; the worker
@@ -78,29 +82,50 @@ class SshReadyTrigger(VmSshTrigger):
         """Poll until something needs the worker: the event's payload."""
         import asyncssh
 
-        from maxtext_sft.vm.access import HostKeysNotPublished
+        from maxtext_sft.vm.access import HostKeysNotPublished, host_keys_settled, key_fingerprints
+        from maxtext_sft.vm.ssh_common import HostKeyMismatch
 
         unreachable = (HostKeysNotPublished, OSError, EOFError, asyncio.TimeoutError, asyncssh.Error)
-        host_keys, first_refused = self.host_keys, self.first_refused
+        # The keys of the last read whose login met one of them (given: the worker's); the keys
+        # published while sshd has shown another key, and since when (vm.access.host_keys_settled).
+        previous, first_refused = self.host_keys, self.first_refused
+        mismatched: tuple[dict[str, str], float] | None = None
         last_error: BaseException | None = None
         pause = self.first_poll_after
         while True:
             await asyncio.sleep(max(0.0, min(pause, self.deadline - time.time())))
             pause = self.poll_interval
+            host_keys: dict[str, str] = {}
             try:
-                host_keys = host_keys or await asyncio.to_thread(self._host_keys)
+                host_keys = await asyncio.to_thread(self._host_keys)
                 status = await self._login(host_keys)
                 if status == 0:
-                    self.log.info("VM %s accepts the SSH login", self.vm_name)
-                    return {"status": "ready"}
-                self.log.warning("`%s` exited %s on VM %s", COMMAND, status, self.vm_name)
+                    settled = host_keys_settled(previous, host_keys, None)
+                    previous, mismatched = host_keys, None
+                    if settled:
+                        self.log.info("VM %s accepts the SSH login; host keys pinned (%s)", self.vm_name,
+                                      key_fingerprints(host_keys))
+                        return {"status": "ready", "host_keys": host_keys}
+                    self.log.info("VM %s accepts the SSH login with host keys %s: reading them again to see "
+                                  "that they stay", self.vm_name, key_fingerprints(host_keys))
+                else:
+                    self.log.warning("`%s` exited %s on VM %s", COMMAND, status, self.vm_name)
             except asyncssh.HostKeyNotVerifiable as error:
                 message = (
                     f"SSH host key of {self.host} is not the {' or '.join(sorted(host_keys))} key the VM published "
                     f"in its guest attributes (hostkeys/): refusing to connect to {self.vm_name} ({error})"
                 )
-                return {"status": "refused", "kind": "host_key", "message": message}
+                if not mismatched or mismatched[0] != host_keys:
+                    mismatched = (host_keys, time.time())
+                try:
+                    host_keys_settled(previous, host_keys, HostKeyMismatch(message), mismatched[1])
+                except HostKeyMismatch as mismatch:  # too long with the same keys: not a first boot's change
+                    return {"status": "refused", "kind": "host_key", "message": str(mismatch)}
+                previous, last_error = None, HostKeyMismatch(message)
+                self.log.info("VM %s: its sshd shows a host key it has not published (yet), as during a first "
+                              "boot: reading them again (%s)", self.vm_name, message)
             except asyncssh.PermissionDenied as error:
+                previous, mismatched = host_keys, None  # refused after the host key check: it matched
                 message = f"{self.host} refused the SSH login with the connection's key: {error}"
                 first_refused = first_refused or time.time()
                 if self.refused_until is None or time.time() >= self.refused_until:
@@ -124,10 +149,11 @@ class SliceSshReadyTrigger(HeldEventTrigger):
     """SshReadyTrigger's logins on several hosts at once (`hosts`: each one's SshReadyTrigger
     arguments, plain values), until every host takes the login or one needs the worker.
 
-    Event: {"ready": [vm_name, ...], "events": {vm_name: SshReadyTrigger's event}}: the hosts
-    whose login worked, and the event of the host that needs the worker (empty when every host is
-    ready). When that is the bound (`unreachable`), every host still waiting reaches it too: each
-    one's event is there, for the worker to name every host's last error. The logins of the hosts
+    Event: {"ready": [vm_name, ...], "host_keys": {vm_name: keys}, "events": {vm_name:
+    SshReadyTrigger's event}}: the hosts whose login worked and the keys pinned for each, and the
+    event of the host that needs the worker (empty when every host is ready). When that is the
+    bound (`unreachable`), every host still waiting reaches it too: each one's event is there, for
+    the worker to name every host's last error. The logins of the hosts
     still waiting are cancelled (their connections closed) when the event leaves.
     """
 
@@ -141,13 +167,14 @@ class SliceSshReadyTrigger(HeldEventTrigger):
 
     async def _watch(self) -> dict[str, Any]:
         watches = {asyncio.ensure_future(SshReadyTrigger(**host)._watch()): host["vm_name"] for host in self.hosts}
-        ready, events, pending = [], {}, set(watches)
+        ready, pinned, events, pending = [], {}, {}, set(watches)
 
         def take(done) -> None:
             for watch in done:
                 payload = watch.result()
                 if payload["status"] == "ready":
                     ready.append(watches[watch])
+                    pinned[watches[watch]] = payload["host_keys"]
                 else:
                     events[watches[watch]] = payload
 
@@ -160,4 +187,4 @@ class SliceSshReadyTrigger(HeldEventTrigger):
                 take(done)
         finally:
             await cancel_all(watches)
-        return {"ready": sorted(ready), "events": events}
+        return {"ready": sorted(ready), "host_keys": pinned, "events": events}

@@ -21,6 +21,14 @@ from maxtext_sft.run.spec import RunSpec
 # A line by which a step script hands a value back (lib.sh's report_result).
 RESULT_LINE = re.compile(r"^MAXTEXT_SFT_RESULT ([a-z_]+)=(.*)$")
 
+# The line by which a step script says which process group is its own (lib.sh's claim_step_group):
+# the group's id and its leader's start time, what end_step_command ends on a timeout.
+STEP_GROUP_LINE = re.compile(r"^MAXTEXT_SFT_STEP_GROUP ([1-9][0-9]{0,9}) ([0-9]{1,20})$")
+
+# How long a timed-out step's processes get between SIGTERM and SIGKILL: enough for pip or apt to
+# exit on SIGTERM, short enough that the task's retry is not held up.
+STEP_GROUP_GRACE_SECONDS = 10
+
 
 @dataclasses.dataclass(frozen=True)
 class VmStep:
@@ -170,3 +178,19 @@ def remote_command(step: str, spec: RunSpec, results: Mapping[str, str] | None =
 def parse_results(lines: list[str]) -> dict[str, str]:
     """The values a script reported with report_result (the last one of a name wins)."""
     return {m.group(1): m.group(2) for line in lines if (m := RESULT_LINE.match(line))}
+
+
+def step_group(line: str) -> tuple[int, int] | None:
+    """(process group, its leader's start time) from a STEP_GROUP_LINE, else None."""
+    match = STEP_GROUP_LINE.match(line)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def end_step_command(group: tuple[int, int], grace_seconds: int = STEP_GROUP_GRACE_SECONDS) -> str:
+    """The command that ends a timed-out step's process group (include/vm/end_step_group.sh):
+    fixed words and three numbers, checked here, so nothing else reaches the remote shell."""
+    pgid, start = group
+    values = (pgid, start, grace_seconds)
+    if any(type(value) is not int or value < 0 for value in values) or pgid <= 1:
+        raise ValueError(f"not a step's process group: {group!r} (grace {grace_seconds!r})")
+    return shlex.join(["bash", f"{REMOTE_SCRIPT_DIR}/end_step_group.sh", *map(str, values)])
