@@ -71,7 +71,7 @@ def test_a_trigger_renews_the_key_past_its_lifetime_and_one_that_does_not_is_ref
     assert LOCAL_SERVICE_ACCOUNT in imported[0]["path"].replace("%40", "@")
     assert imported[0]["body"]["key"] == spec.ssh_public_key  # the public key, nothing else
 
-    assert first_event(ready_trigger(spec, target)) == {"status": "ready"}  # the fresh key logs in
+    assert first_event(ready_trigger(spec, target))["status"] == "ready"  # the fresh key logs in
     classpath, kwargs = ready_trigger(spec, target).serialize()
     assert kwargs["os_login"] == target["os_login"] and kwargs["username"] == target["username"]
 
@@ -85,7 +85,7 @@ def test_a_trigger_renews_the_key_past_its_lifetime_and_one_that_does_not_is_ref
 
     local_cloud.clear_oslogin_requests()
     renewing = ready_trigger(spec, target)
-    assert first_event(renewing) == {"status": "ready"}
+    assert first_event(renewing)["status"] == "ready"
     renewed = local_cloud.oslogin_requests()
     assert renewed and {r["api_client"].split()[0] for r in renewed} == {"maxtext-sft-triggerer"}, renewed
     assert renewing.os_login["expires_at"] > time.time() + LIFETIME / 2

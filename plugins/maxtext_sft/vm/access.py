@@ -184,8 +184,8 @@ def ssh_target(
         if host_keys_required:
             raise
         keys = {}
-    login = os_login_key(spec, gcp_conn_id, caller=caller) if spec.os_login else {"username": None, "os_login": None}
     check_pinned_host_keys(spec, keys, hook, pinned_host_keys(spec.vm_name))
+    login = os_login_key(spec, gcp_conn_id, caller=caller) if spec.os_login else {"username": None, "os_login": None}
     return {
         "host": address,
         "host_keys": keys,
