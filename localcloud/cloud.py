@@ -33,6 +33,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from localcloud.compute.first_boot import FirstBoot
 from localcloud.compute.vm import reap_stale
 from localcloud.hub.launcher import HubEmulator
 from localcloud.service import Service, ServiceError as LocalCloudError
@@ -78,8 +79,11 @@ class LocalCloud:
         python: str = sys.executable,
         keep_deleted_shm: bool = False,
         vm_env: dict[str, str] | None = None,
+        first_boot: FirstBoot | None = None,
     ) -> None:
-        """`vm_env` adds to (or overrides) the environment every VM's SSH sessions get."""
+        """`vm_env` adds to (or overrides) the environment every VM's SSH sessions get.
+        `first_boot`: what each VM's boot goes through (compute/first_boot.py; default: nothing)."""
+        self.first_boot = first_boot or FirstBoot()
         self.state_dir = Path(state_dir).resolve()
         self.keep_deleted_shm = keep_deleted_shm
         self.images = {k: Path(v) for k, v in (images or {}).items()}
@@ -119,6 +123,8 @@ class LocalCloud:
                             "--images-file", str(images_file),
                             "--vm-env-file", str(env_file),
                             *(["--keep-deleted-shm"] if self.keep_deleted_shm else []),
+                            "--first-boot-cloud-init", str(self.first_boot.cloud_init_seconds),
+                            "--first-boot-dpkg-lock", str(self.first_boot.dpkg_lock_seconds),
                         ],
                         self.startup_timeout,
                     )

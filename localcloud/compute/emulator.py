@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .._daemon import RequestLog
 from . import guest_power
+from .first_boot import FirstBoot, install_guest_os
 from .groups import SliceResources
 from .guest_agent import GuestAgent
 from .images import ImageResources
@@ -56,8 +57,10 @@ class ComputeEmulator(
         vm_ready_timeout: float = 30.0,
         keep_deleted_shm: bool = False,
         vm_env: dict[str, str] | None = None,
+        first_boot: FirstBoot | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.first_boot = first_boot or FirstBoot()
         self.keep_deleted_shm = keep_deleted_shm
         self.vm_env = dict(vm_env or {})
         self.images = {k: Path(v) for k, v in (images or {}).items()}
@@ -72,4 +75,5 @@ class ComputeEmulator(
         threading.Thread(target=self._time_limit_loop, name="time-limits", daemon=True).start()
         # A power-off from inside a VM (`sudo shutdown -h now`) stops its instance (guest_power.py).
         self.guest_power = guest_power.PowerListener(self._guest_power_off)
-        guest_power.write_shims(state_dir / "vm-etc", self.guest_power.name)
+        # ... through the VM's own shutdown, beside its apt-get, apt and cloud-init (first_boot.py).
+        install_guest_os(state_dir / "vm-etc", self.guest_power.name)
