@@ -338,6 +338,12 @@ class LocalCloud:
         self.images[key] = Path(image_dir)
         self._control("POST", "images", {key: str(image_dir)})
 
+    def set_first_boot(self, first_boot: FirstBoot) -> None:
+        """What the boots of VMs made from now on go through (compute/first_boot.py)."""
+        self.first_boot = first_boot
+        self._control("POST", "first-boot", {"cloud_init_seconds": first_boot.cloud_init_seconds,
+                                             "dpkg_lock_seconds": first_boot.dpkg_lock_seconds})
+
     def vms(self) -> list[dict]:
         return self._control("GET", "vms")
 

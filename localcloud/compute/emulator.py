@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .._daemon import RequestLog
 from . import guest_power
+from .errors import ApiError
 from .first_boot import FirstBoot, install_guest_os
 from .groups import SliceResources
 from .guest_agent import GuestAgent
@@ -77,3 +78,18 @@ class ComputeEmulator(
         self.guest_power = guest_power.PowerListener(self._guest_power_off)
         # ... through the VM's own shutdown, beside its apt-get, apt and cloud-init (first_boot.py).
         install_guest_os(state_dir / "vm-etc", self.guest_power.name)
+
+    def set_first_boot(self, body: object) -> dict:
+        """The control call: what the boots of VMs made from now on go through (first_boot.py)."""
+        fields = ("cloud_init_seconds", "dpkg_lock_seconds")
+        if not isinstance(body, dict) or set(body) - set(fields) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in body.values()
+        ):
+            raise ApiError(400, "invalid", 'Expected {"cloud_init_seconds": S, "dpkg_lock_seconds": S}.')
+        try:
+            first_boot = FirstBoot(**body)
+        except ValueError as exc:
+            raise ApiError(400, "invalid", str(exc)) from None
+        with self.lock:
+            self.first_boot = first_boot
+        return {name: getattr(first_boot, name) for name in fields}

@@ -481,6 +481,7 @@ class InstanceLifecycle(Operations):
                     "status": inst.status,
                     "preempted": inst.preempted,
                     "users": sorted(users),
+                    "first_boot": vm.first_boot_state(),  # vm.py: cloud-init's state, dpkg's lock holder
                 }
             )
         return result

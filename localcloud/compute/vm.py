@@ -268,6 +268,27 @@ class SandboxVM:
             return False
         return True
 
+    def first_boot_state(self) -> dict:
+        """What the VM's first boot shows now, seen from the host: cloud-init's state from its
+        status files in the VM's /run ("running", "done", or None before it wrote any), and the
+        host pid of the VM's unattended-upgr while it runs (None after: it then released dpkg's
+        lock)."""
+        state: dict = {"cloud_init": None, "dpkg_lock_holder": None}
+        if not self.alive() or not self.ns_init_pid or not self.pidns or _pidns(self.ns_init_pid) != self.pidns:
+            return state
+        run = Path(f"/proc/{self.ns_init_pid}/root/run/cloud-init")  # the VM's own /run
+        if (run / "result.json").exists():
+            state["cloud_init"] = "done"
+        elif (run / "status.json").exists():
+            state["cloud_init"] = "running"
+        for pid in pids_in_namespace(self.pidns):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "unattended-upgr":
+                    state["dpkg_lock_holder"] = pid
+            except OSError:
+                pass
+        return state
+
     def log_tail(self, size: int = 2000) -> str:
         try:
             return (self.root / "sshd.log").read_text(errors="replace")[-size:]

@@ -57,6 +57,10 @@ STATE_FILE = "/var/lib/apt/localcloud-upgraded.json"  # the VM's own /var/lib/ap
 PACKAGE, OLD_VERSION, NEW_VERSION = "google-compute-engine", "1:20240307.00-0ubuntu1~22.04.0", "1:20250328.00-0ubuntu1~22.04.0"
 CONFFILE = "/etc/systemd/resolved.conf.d/gce-resolved.conf"
 EXIT_ERROR = 100
+PROG = os.path.basename(sys.argv[0])
+# apt-get's other operations (apt-get(8)): not modelled here, and said so.
+KNOWN = {"remove", "purge", "autoremove", "autoclean", "clean", "check", "source", "build-dep", "download",
+         "changelog", "indextargets", "satisfy", "dselect-upgrade", "search", "show", "list", "policy"}
 
 
 class AptError(Exception):
@@ -178,8 +182,9 @@ def parse(argv):
             assume_yes = True
         elif arg in ("-q", "-qq", "--quiet", "-m", "--fix-missing", "--no-install-recommends", "--no-upgrade"):
             pass
-        elif arg.startswith("-"):
-            raise AptError(f"Command line option '{arg}' is not understood in combination with the other options.")
+        elif arg.startswith("-"):  # apt knows many more; what is not modelled is said so, not faked
+            raise AptError(f"localcloud's {PROG} does not model the option {arg} (only -y, -q, -qq, -m,"
+                           " --fix-missing, --no-install-recommends, --no-upgrade and -o)")
         elif command is None:
             command = arg
         else:
@@ -323,7 +328,8 @@ def apt_main(prog, argv):
             print(f"\nWARNING: {prog} does not have a stable CLI interface. Use with caution in scripts.\n", file=sys.stderr)
         command, words, config, assume_yes = parse(argv)
         if command is None:
-            raise AptError("No operation given (localcloud's apt-get models update, upgrade, dist-upgrade, full-upgrade and install)")
+            raise AptError(f"No operation given (localcloud's {PROG} models update, upgrade, dist-upgrade, full-upgrade"
+                           " and install)")
         if command == "update":
             status = update(messages)
         elif command in ("upgrade", "dist-upgrade", "full-upgrade"):
@@ -332,8 +338,9 @@ def apt_main(prog, argv):
         elif command == "install":
             held = lock_dpkg(messages, lock_timeout(config))  # noqa: F841
             status = install(words, messages)
-        else:
-            raise AptError(f"Invalid operation {command}")
+        else:  # apt-pkg/contrib/cmndline.cc DispatchArg; apt's other operations are not modelled
+            raise AptError(f"Invalid operation {command}" if command not in KNOWN else
+                           f"localcloud's {PROG} does not model the operation {command}")
     except AptError as exc:
         if exc.args:
             messages.error(exc.args[0])
