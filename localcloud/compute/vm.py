@@ -43,12 +43,13 @@ HOST_KEY_TYPES = ("ed25519", "ecdsa", "rsa")
 # state dir lives under a directory that is overlaid below (/tmp, /home, /run); that staging
 # mount is dropped again before sshd starts.
 # The VM's users get real root through Debian's sudo (/etc/sudoers.d is the VM's own, where the
-# guest agent writes google_sudoers; guest.py). What root may reach is the host's, so the VM's
-# own files are put over what sudo'd commands change: /usr/bin and /usr/sbin get a read-only
-# overlay whose upper layer holds the VM's apt-get, apt and cloud-init and its shutdown, poweroff
-# and halt (first_boot.py, guest_power.py; an overlay, not file binds, because the host has no
-# /usr/bin/cloud-init to bind over and its /usr/sbin/shutdown is a link to systemctl), and each
-# dpkg/apt lock file is the VM's own, so each VM's locks are its own and the host's are untouched.
+# guest agent writes google_sudoers; guest.py). What root may reach is the host's, so the host's
+# root filesystem is read-only in the VM and the VM's own files are put over what sudo'd commands
+# use: /usr/bin and /usr/sbin get a read-only overlay whose top layer holds the VM's apt-get, apt,
+# cloud-init and unattended-upgrade and its shutdown, poweroff and halt (first_boot.py,
+# guest_power.py; an overlay, not file binds, because the host has no /usr/bin/cloud-init to bind
+# over and its /usr/sbin/shutdown is a link to systemctl), and each dpkg/apt lock file is the VM's
+# own, so each VM's locks are its own and the host's are untouched.
 _BOOT_SCRIPT = r"""
 set -eu
 hostname "$3"
@@ -74,6 +75,10 @@ mount --bind "$V/shm" /dev/shm
 mount --bind "$V/var-tmp" /var/tmp
 mount --bind "$V/tmp" /tmp
 umount /mnt
+# The host's root filesystem read-only for this VM's root (this namespace's mount only: the host's
+# stays read-write): what a sudo'd command writes outside the VM's own mounts fails instead of
+# changing the host. It keeps a script's mistakes out, not a determined root (who may remount).
+mount -o remount,bind,ro /
 # The first boot (first_boot.py): cloud-init's status (running for $4 s), the upgrade job's locks
 # (held for $5 s); each returns once its state is in place, before sshd answers.
 /usr/bin/cloud-init localcloud-boot "$4"

@@ -112,6 +112,11 @@ def test_apt_get_answers_as_apt_does(first_boot_vm):
         f"E: Could not open lock file {FRONTEND} - open (13: Permission denied)\n"
         f"E: Unable to acquire the dpkg frontend lock ({FRONTEND}), are you root?\n"))
     assert bash(visitor, "sudo -n apt-get install -y cmake") == (1, "", "sudo: a password is required\n")
+    # Root in the VM is real, but the host's files stay out of its reach: its root filesystem is
+    # read-only in the VM, the VM's own mounts are not.
+    assert bash(maxtext, "sudo touch /usr/local/localcloud-root-was-here") == (
+        1, "", "touch: cannot touch '/usr/local/localcloud-root-was-here': Read-only file system\n")
+    assert bash(maxtext, "sudo touch /root/here /var/tmp/here && echo ok") == (0, "ok\n", "")
     # DPkg::Lock::Timeout: apt's own wait, a try a second, then only the "Unable to acquire" error.
     started = time.monotonic()
     status, out, err = bash(maxtext, "sudo apt-get -o DPkg::Lock::Timeout=2 install -y cmake")
