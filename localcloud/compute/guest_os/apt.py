@@ -54,6 +54,8 @@ LISTS_LOCK = "/var/lib/apt/lists/lock"
 FRONTEND_LOCK = "/var/lib/dpkg/lock-frontend"
 ADMIN_LOCK = "/var/lib/dpkg/lock"
 STATE_FILE = "/var/lib/apt/localcloud-upgraded.json"  # the VM's own /var/lib/apt (vm.py)
+# The package and conffile of dstackai/dstack#3367 (a GCE Ubuntu image); the versions and sizes below
+# are illustrative (no archive is reachable to read real ones), the messages around them apt's and dpkg's.
 PACKAGE, OLD_VERSION, NEW_VERSION = "google-compute-engine", "1:20240307.00-0ubuntu1~22.04.0", "1:20250328.00-0ubuntu1~22.04.0"
 CONFFILE = "/etc/systemd/resolved.conf.d/gce-resolved.conf"
 EXIT_ERROR = 100
