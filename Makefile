@@ -38,21 +38,23 @@ $(VENV)/.synced: requirements-dev.lock Makefile
 	echo "Python packages installed in $$(( $$(date +%s) - started )) s"
 	@touch $@
 
-# Debian packages the local cloud and the tests need (`make run` and `make rehearse` only sshd, the
-# first of SYSTEM_DEBS): OpenSSH's sshd plays each VM's SSH server;
+# Debian packages the local cloud and the tests need (`make run` and `make rehearse` only sshd and
+# sudo, the first two of SYSTEM_DEBS): OpenSSH's sshd plays each VM's SSH server; Debian's sudo is
+# each VM's sudo (its users get root through it, with its default env_reset and secure_path);
 # PostgreSQL is the metadata database of the tests that run a real scheduler (each session starts
 # a private server of its own, localcloud/postgres.py). The package would create and start a
 # system-wide "main" cluster that nothing here uses: a createcluster.d setting stops that.
 # Redis is the Celery broker of the deployment-shaped test (it starts a private server of its
 # own); chromium and chromium-driver run the trigger-form test; docker-compose 1.29 validates
 # docker-compose.yaml (`config` needs no Docker engine).
-SYSTEM_DEBS ?= openssh-server postgresql redis-server chromium chromium-driver docker-compose
-run rehearse: SYSTEM_DEBS = openssh-server
+SYSTEM_DEBS ?= openssh-server sudo postgresql redis-server chromium chromium-driver docker-compose
+run rehearse: SYSTEM_DEBS = openssh-server sudo
 system-deps:
 	@missing=""; \
 	for deb in $(SYSTEM_DEBS); do \
 		case $$deb in \
 			openssh-server) [ -x /usr/sbin/sshd ];; \
+			sudo) [ -u /usr/bin/sudo ];; \
 			postgresql) ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1;; \
 			redis-server) [ -x /usr/bin/redis-server ];; \
 			chromium) [ -x /usr/bin/chromium ];; \

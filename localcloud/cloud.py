@@ -34,6 +34,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from localcloud.compute.first_boot import FirstBoot
 from localcloud.compute.vm import reap_stale
 from localcloud.hub.launcher import HubEmulator
 from localcloud.service import Service, ServiceError as LocalCloudError
@@ -79,8 +80,11 @@ class LocalCloud:
         python: str = sys.executable,
         keep_deleted_shm: bool = False,
         vm_env: dict[str, str] | None = None,
+        first_boot: FirstBoot | None = None,
     ) -> None:
-        """`vm_env` adds to (or overrides) the environment every VM's SSH sessions get."""
+        """`vm_env` adds to (or overrides) the environment every VM's SSH sessions get.
+        `first_boot`: what each VM's boot goes through (compute/first_boot.py; default: nothing)."""
+        self.first_boot = first_boot or FirstBoot()
         self.state_dir = Path(state_dir).resolve()
         self.keep_deleted_shm = keep_deleted_shm
         self.images = {k: Path(v) for k, v in (images or {}).items()}
@@ -120,6 +124,8 @@ class LocalCloud:
                             "--images-file", str(images_file),
                             "--vm-env-file", str(env_file),
                             *(["--keep-deleted-shm"] if self.keep_deleted_shm else []),
+                            "--first-boot-cloud-init", str(self.first_boot.cloud_init_seconds),
+                            "--first-boot-dpkg-lock", str(self.first_boot.dpkg_lock_seconds),
                         ],
                         self.startup_timeout,
                     )
@@ -346,6 +352,12 @@ class LocalCloud:
         """Make PROJECT/FAMILY `key` boot from `image_dir` (a custom image, in Compute Engine terms)."""
         self.images[key] = Path(image_dir)
         self._control("POST", "images", {key: str(image_dir)})
+
+    def set_first_boot(self, first_boot: FirstBoot) -> None:
+        """What the boots of VMs made from now on go through (compute/first_boot.py)."""
+        self.first_boot = first_boot
+        self._control("POST", "first-boot", {"cloud_init_seconds": first_boot.cloud_init_seconds,
+                                             "dpkg_lock_seconds": first_boot.dpkg_lock_seconds})
 
     def vms(self) -> list[dict]:
         return self._control("GET", "vms")

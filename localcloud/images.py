@@ -218,7 +218,8 @@ def build_fast_image(cache_root: Path | None = None) -> Path:
 RECIPES_DIR = Path(__file__).resolve().parent / "image_recipes"
 BARE_RECIPE_DIR = RECIPES_DIR / "bare"
 # What install_maxtext.sh runs that needs the internet, as offline stand-ins (see build_bare_image).
-BARE_TOOLS = ("sudo", "apt-get", "curl")
+# (sudo is Debian's real one and apt-get every VM's own, compute/first_boot.py.)
+BARE_TOOLS = ("curl",)
 BARE_LIBS = ("uv", "uv-installer.sh", "install_tpu_post_train_extra_deps")
 
 
@@ -244,8 +245,8 @@ def _build_bare(image_dir: Path, final_dir: Path) -> None:
 def build_bare_image(cache_root: Path | None = None) -> Path:
     """The base image without MaxText (what the tutorial's image is): `install_maxtext.sh` installs
     it for real, offline. The internet tools it calls are stand-ins first on the VM's PATH
-    (`bin/`: sudo runs the command as the user, apt-get changes nothing, curl serves only uv's
-    installer, which installs the `lib/uv` stand-in); that uv makes the venv with Debian's Python
+    (`bin/`: curl serves only uv's installer, which installs the `lib/uv` stand-in; its `sudo
+    apt-get` calls meet Debian's real sudo and every VM's apt-get, compute/first_boot.py); that uv makes the venv with Debian's Python
     and installs `maxtext[tpu-post-train]==V` from `packages/maxtext-V/` (the MaxText stand-in,
     as the fast image has it) — only V = 0.2.2 exists, any other version fails to resolve."""
     recipe = _recipe_hash("bare", [*_bare_files(), *_standin_files()], Path(__file__).resolve().parent)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from localcloud.airflow_harness import Airflow
 from localcloud.cloud import LocalCloud
+from localcloud.compute.first_boot import FirstBoot
 from localcloud.connections import (
     BARE_IMAGE_KEY,
     LOCAL_PROJECT,
@@ -273,6 +274,13 @@ def report_samples(airflow: Airflow, progress: Progress, timeout: float) -> bool
     return run["state"] == "success"
 
 
+# Every VM of `make run` boots as a fresh Ubuntu cloud image does (compute/first_boot.py): cloud-init
+# runs for a minute and unattended-upgrades holds dpkg's lock for three (public reports speak of
+# minutes). The default runs boot images that already have MaxText, so nothing waits for them;
+# a run conf that boots the bare image (BARE_IMAGE_CONF) installs through them.
+MAKE_RUN_FIRST_BOOT = FirstBoot(cloud_init_seconds=60, dpkg_lock_seconds=180)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; `dag` and `maxtext` resolved (the slice runs on the stand-in)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,7 +295,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "fault tests (the slice's default and only choice)",
     )
     parser.add_argument("--rehearsal", action="store_true", help=f"run {REHEARSAL_DAG_ID} (the CPU-VM rehearsal)")
+    parser.add_argument(
+        "--first-boot",
+        default=f"{MAKE_RUN_FIRST_BOOT.cloud_init_seconds:g},{MAKE_RUN_FIRST_BOOT.dpkg_lock_seconds:g}",
+        metavar="CLOUD_INIT_S,DPKG_LOCK_S",
+        help="each VM's first boot: seconds of cloud-init running, seconds of unattended-upgrades holding dpkg's "
+             "lock (default %(default)s; 0,0: none)",
+    )
     args = parser.parse_args(argv)
+    try:
+        cloud_init, dpkg_lock = (float(part) for part in args.first_boot.split(","))
+        args.first_boot = FirstBoot(cloud_init, dpkg_lock)
+    except ValueError as error:
+        parser.error(f"--first-boot takes CLOUD_INIT_S,DPKG_LOCK_S (seconds, 0 to 3600): {error}")
     if args.rehearsal and args.dag not in (None, REHEARSAL_DAG_ID):
         parser.error(f"--rehearsal runs {REHEARSAL_DAG_ID}, not {args.dag}")
     args.dag = REHEARSAL_DAG_ID if args.rehearsal else args.dag or DAG_ID
@@ -343,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                  "2 minutes once) ...")
     fast_image = build_fast_image()
     # The bare image too: run conf may name its family (BARE_IMAGE_CONF) to install MaxText for real.
-    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image, BARE_IMAGE_KEY: build_bare_image()})
+    cloud = LocalCloud(STATE / "cloud", images={TUTORIAL_IMAGE: fast_image, BARE_IMAGE_KEY: build_bare_image()},
+                       first_boot=args.first_boot)
     real_image = build_real_image() if args.maxtext == "real" else None
     conf = run_conf(args, real_image)
     progress.say("VM images ready")
@@ -362,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         if real_image:  # the sample DAG generates in the image's venv (torch is there)
             env["AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON"] = str(real_image / "maxtext_venv" / "bin" / "python3")
         progress.say(f"Local cloud started: Compute Engine emulator {cloud.compute_endpoint}")
+        print(f"  Each VM's first boot: cloud-init runs {args.first_boot.cloud_init_seconds:g} s, unattended-upgrades"
+              f" holds dpkg's lock {args.first_boot.dpkg_lock_seconds:g} s", flush=True)
         print(f"  Cloud Storage emulator: {cloud.storage_endpoint}; Hugging Face Hub: {cloud.hub.endpoint}", flush=True)
         airflow = Airflow(STATE / "airflow-home", env, dag_id=dag_id)
         progress.airflow = airflow

@@ -19,10 +19,12 @@ if [ "$(installed_version)" = "$version" ]; then
 fi
 
 echo "Installing MaxText $version into $venv"
-export DEBIAN_FRONTEND=noninteractive
-sudo apt-get update
-sudo apt-get upgrade -y --fix-missing
-sudo apt-get install -y build-essential cmake ninja-build
+# The tutorial's apt commands, through lib.sh's apt_get: on a VM still in its first boot they wait
+# for cloud-init and for dpkg's lock (bounded), and answer apt's and dpkg's questions themselves.
+wait_for_cloud_init
+apt_get update
+apt_get upgrade -y --fix-missing
+apt_get install -y build-essential cmake ninja-build
 if ! command -v uv >/dev/null && [ ! -x "$HOME/.local/bin/uv" ]; then
   curl -LsSf https://astral.sh/uv/install.sh | sh
 fi

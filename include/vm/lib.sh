@@ -9,6 +9,63 @@ resolve_dir() {
   esac
 }
 
+# A freshly booted Ubuntu VM is still in its first boot for minutes: cloud-init runs, and the
+# apt-daily jobs' unattended-upgrades holds dpkg's lock (ansible/ansible#51663, servo/ci-runners#57:
+# "Could not get lock /var/lib/dpkg/lock-frontend. It is held by process N (unattended-upgr)").
+# How long a step waits for each before it gives up (seconds; set it to run by hand with another).
+FIRST_BOOT_WAIT_SECONDS=${FIRST_BOOT_WAIT_SECONDS:-900}
+
+# Until cloud-init has finished (`cloud-init status --wait`), at most FIRST_BOOT_WAIT_SECONDS; at
+# once where there is no cloud-init. Its exit codes: 0 done, 1 error, 2 degraded (done with
+# recoverable errors; cloud-init's cmd/status.py); only the bound passing stops the step.
+wait_for_cloud_init() {
+  command -v cloud-init >/dev/null || return 0
+  local status=0
+  timeout "$FIRST_BOOT_WAIT_SECONDS" cloud-init status --wait >/dev/null || status=$?
+  case $status in
+    0 | 2) return 0 ;;
+    124)
+      echo "cloud-init was still running after ${FIRST_BOOT_WAIT_SECONDS} s (the VM's first boot);" \
+        "giving up (FIRST_BOOT_WAIT_SECONDS sets the bound)" >&2
+      return 1
+      ;;
+    *) echo "cloud-init reports an error (cloud-init status exit $status); going on" >&2 ;;
+  esac
+}
+
+# apt-get through sudo, as a careful script runs it on a VM in its first boot: the settings on
+# sudo's command line (its env_reset drops an exported DEBIAN_FRONTEND; a user allowed ALL may set
+# variables there, sudoers(5) SETENV), dpkg's conffile questions answered (keep the local version
+# unless the default says otherwise: --force-confdef --force-confold, dpkg(1)), no stdin, and the
+# package manager's locks waited for up to FIRST_BOOT_WAIT_SECONDS: dpkg's by apt itself
+# (DPkg::Lock::Timeout, apt-get(8)), apt's lists lock (which `update` does not wait for) by trying
+# again. When the bound passes, the message names the first-boot lock and the bound.
+apt_get() {
+  local deadline=$((SECONDS + FIRST_BOOT_WAIT_SECONDS)) errors status left
+  errors=$(mktemp)
+  while :; do
+    left=$((deadline - SECONDS))
+    [ "$left" -ge 1 ] || left=1
+    status=0
+    sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$left" \
+      -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "$@" </dev/null 2>"$errors" || status=$?
+    cat "$errors" >&2
+    [ "$status" -ne 0 ] || break
+    # Only a lock another process holds is waited for; apt's other errors stand.
+    grep -q -e 'is another process using it?' -e '^E: Unable to lock directory' "$errors" || break
+    ! grep -q 'Permission denied' "$errors" || break
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "apt-get $*: the package manager's lock was still held after ${FIRST_BOOT_WAIT_SECONDS} s" \
+        "(on a VM's first boot unattended-upgrades holds dpkg's lock until its upgrade run ends);" \
+        "giving up (FIRST_BOOT_WAIT_SECONDS sets the bound)" >&2
+      break
+    fi
+    sleep 5
+  done
+  rm -f "$errors"
+  return "$status"
+}
+
 activate_maxtext_venv() {
   local venv="$1/maxtext_venv"
   if [ ! -f "$venv/bin/activate" ]; then

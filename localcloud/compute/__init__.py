@@ -1,7 +1,7 @@
 """Compute Engine v1 emulator whose VMs are real sshd processes on 127.0.0.N:22.
 
 Run it as `python -m localcloud.compute --state-dir DIR [--port 0] [--images-file FILE]
-[--vm-env-file FILE]`, or through `localcloud.cloud.LocalCloud`. Modules, each importing only
+[--vm-env-file FILE] [--first-boot-cloud-init S] [--first-boot-dpkg-lock S]`, or through `localcloud.cloud.LocalCloud`. Modules, each importing only
 modules below it in this list:
 - server: the HTTP server, the table of API routes, the /_localcloud/ controls
 - emulator: ComputeEmulator, made of one mixin per resource family:
@@ -20,6 +20,8 @@ modules below it in this list:
 - leases: machine-wide leases of the VMs' loopback addresses
 - resources: links, ids, timestamps, body checks and list paging every family shares
 - vm: sandbox VMs (unshare'd sshd) and reaping of stale ones
+- first_boot: a VM's first boot (cloud-init running, dpkg's lock held) and the VM's own apt-get,
+  apt and cloud-init (the programs in guest_os/, run inside the VMs)
 - guest_power: a power-off from inside a VM
 - guest: the guest agent's account handling (ssh-keys metadata → users)
 - disk_images: what an image of a boot disk holds

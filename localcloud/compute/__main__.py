@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .._daemon import emulator_parser, parse_emulator_args, serve_until_stopped, take_over
 from .emulator import ComputeEmulator
+from .first_boot import FirstBoot
 from .server import make_server
 from .vm import reap_stale
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vm-ready-timeout", type=float, default=30.0)
     parser.add_argument("--vm-env-file", type=Path, help='JSON {"NAME": "value"}: environment of every VM\'s SSH sessions')
     parser.add_argument("--keep-deleted-shm", action="store_true", help="move a deleted VM's /dev/shm aside")
+    parser.add_argument("--first-boot-cloud-init", type=float, default=0.0, metavar="SECONDS",
+                        help="each VM's cloud-init runs this long after boot (first_boot.py; default 0)")
+    parser.add_argument("--first-boot-dpkg-lock", type=float, default=0.0, metavar="SECONDS",
+                        help="each VM's unattended-upgrades holds the dpkg lock this long after boot (default 0)")
     args = parse_emulator_args(parser, argv)
     state_dir = args.state_dir
     ready_file = args.ready_file or state_dir / "compute-ready.json"
@@ -49,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         vm_ready_timeout=args.vm_ready_timeout,
         keep_deleted_shm=args.keep_deleted_shm,
         vm_env=vm_env,
+        first_boot=FirstBoot(args.first_boot_cloud_init, args.first_boot_dpkg_lock),
     )
     server = make_server(emulator, args.host, args.port)
 

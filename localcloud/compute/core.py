@@ -20,6 +20,7 @@ class EmulatorCore:
     vm_env: dict[str, str]
     operation_wait_timeout: float
     vm_ready_timeout: float
+    first_boot: object  # first_boot.FirstBoot: what each VM's boot goes through
 
     def __init__(self) -> None:
         self.lock = threading.RLock()

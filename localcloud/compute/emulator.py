@@ -31,6 +31,8 @@ from .._daemon import RequestLog
 from ..oslogin import guest as os_login_guest
 from ..oslogin.store import OsLoginStore
 from . import guest_power
+from .errors import ApiError
+from .first_boot import FirstBoot, install_guest_os
 from .groups import SliceResources
 from .guest_agent import GuestAgent
 from .images import ImageResources
@@ -58,8 +60,10 @@ class ComputeEmulator(
         vm_ready_timeout: float = 30.0,
         keep_deleted_shm: bool = False,
         vm_env: dict[str, str] | None = None,
+        first_boot: FirstBoot | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.first_boot = first_boot or FirstBoot()
         self.keep_deleted_shm = keep_deleted_shm
         self.vm_env = dict(vm_env or {})
         self.images = {k: Path(v) for k, v in (images or {}).items()}
@@ -74,10 +78,27 @@ class ComputeEmulator(
         threading.Thread(target=self._time_limit_loop, name="time-limits", daemon=True).start()
         # A power-off from inside a VM (`sudo shutdown -h now`) stops its instance (guest_power.py).
         self.guest_power = guest_power.PowerListener(self._guest_power_off)
-        guest_power.write_shims(state_dir / "vm-etc", self.guest_power.name)
+        # ... through the VM's own shutdown, beside its apt-get, apt and cloud-init (first_boot.py).
+        install_guest_os(state_dir / "vm-etc", self.guest_power.name)
+
         # The OS Login API (localcloud/oslogin), served beside this one: a new POSIX account
         # resolves on the VMs with OS Login at once, and their sshd asks for its keys.
         self.os_login = OsLoginStore(on_new_account=self._os_login_account_made)
         self.os_login_request_log = RequestLog(state_dir / "oslogin-requests.jsonl")
         self.os_login_keys = os_login_guest.KeysListener(self._os_login_user)
         os_login_guest.write_shim(state_dir / "vm-etc", self.os_login_keys.name, guest_power.SHIM_DIR)
+
+    def set_first_boot(self, body: object) -> dict:
+        """The control call: what the boots of VMs made from now on go through (first_boot.py)."""
+        fields = ("cloud_init_seconds", "dpkg_lock_seconds")
+        if not isinstance(body, dict) or set(body) - set(fields) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in body.values()
+        ):
+            raise ApiError(400, "invalid", 'Expected {"cloud_init_seconds": S, "dpkg_lock_seconds": S}.')
+        try:
+            first_boot = FirstBoot(**body)
+        except ValueError as exc:
+            raise ApiError(400, "invalid", str(exc)) from None
+        with self.lock:
+            self.first_boot = first_boot
+        return {name: getattr(first_boot, name) for name in fields}

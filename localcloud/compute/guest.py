@@ -5,7 +5,7 @@ line `USER:KEYTYPE BASE64 [COMMENT]` makes USER exist (home from the image's ske
 writes exactly that user's keys to `~/.ssh/authorized_keys`, and puts the user in the
 `google-sudoers` group, which the agent's /etc/sudoers.d/google_sudoers gives passwordless sudo
 (guest-agent google_guest_agent/non_windows_accounts.go: createGoogleUser, createSudoersGroup,
-createSudoersFile; the sandbox's `sudo` honours it, see guest_power.py). Users whose keys
+createSudoersFile; Debian's real sudo in the VM reads it, see vm.py). Users whose keys
 disappear from the metadata keep their account but lose their keys and that group
 (removeGoogleUser). Only the
 instance's `ssh-keys` are read (project-wide keys are not). With OS Login in effect
@@ -179,14 +179,29 @@ class GuestAccounts:
             _set_group_member(self.etc / "group", SUDOERS_GROUP, user, True)
 
     def _ensure_sudoers_group(self) -> None:
-        """The agent's `groupadd google-sudoers`, if the group is missing. Its gid is taken below
-        1000 (the highest free one), so the users' own gids stay what they were without it."""
+        """The agent's `groupadd google-sudoers`, if the group is missing, and its sudoers file.
+        The group's gid is taken below 1000 (the highest free one), so the users' own gids stay
+        what they were without it."""
+        self._ensure_sudoers_file()
         group = read_table(self.etc / "group")
         if SUDOERS_GROUP in group:
             return
         used = {int(e[2]) for e in group.values() if len(e) > 2 and e[2].isdigit()}
         gid = next(g for g in range(999, 100, -1) if g not in used)
         _append_line(self.etc / "group", f"{SUDOERS_GROUP}:x:{gid}:")
+
+    def _ensure_sudoers_file(self) -> None:
+        """The agent's createSudoersFile: /etc/sudoers.d/google_sudoers, created once (O_EXCL,
+        mode 0440), holding `%google-sudoers ALL=(ALL:ALL) NOPASSWD:ALL`. The VM's /etc/sudoers.d
+        is its own (vm.py), so Debian's real sudo in the VM reads it and the host's is untouched."""
+        folder = self.etc / "sudoers.d"
+        folder.mkdir(mode=0o755, exist_ok=True)
+        try:
+            fd = os.open(folder / "google_sudoers", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o440)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(f"%{SUDOERS_GROUP} ALL=(ALL:ALL) NOPASSWD:ALL\n")
 
     def _create_user(
         self, user: str, passwd: dict[str, list[str]], *, uid: int | None = None, gid: int | None = None,

@@ -6,21 +6,15 @@ https://cloud.google.com/compute/docs/instances/instance-lifecycle). No Google d
 says the instance is deleted then, whatever `scheduling.instanceTerminationAction` says (that is
 the action at the VM's time limit, "Limit the run time of a VM"), so this is modelled as a STOP.
 
-A sandbox VM has no kernel of its own to power off, and its users are not root, so the guest side
-is three shims in the read-only /run/localcloud mount (STATE_DIR/vm-etc/guest-bin), first on every
-SSH session's PATH:
-  - `sudo`: runs the command (as the calling user: nothing here makes anyone root) only for root
-    and members of `google-sudoers`, the group the guest agent puts every `ssh-keys` user in and
-    that /etc/sudoers.d/google_sudoers gives `ALL=(ALL:ALL) NOPASSWD:ALL` (guest-agent
-    google_guest_agent/non_windows_accounts.go: createGoogleUser, createSudoersFile); anyone
-    else gets sudo's "a password is required". Like sudo it marks what it runs with SUDO_USER/
-    SUDO_UID.
-  - `shutdown`, `poweroff`, `halt`: refuse a caller that is neither root nor under sudo ("must be
-    superuser"); otherwise ask the emulator to power the VM off, through a Unix socket in the
-    abstract namespace (VMs share the host's network namespace, so it is reachable, and no path
-    length or mount matters).
-The emulator decides from what the kernel says, not from what the shim claims: SO_PEERCRED gives
-the caller's pid and uid; the pid's PID namespace names the VM, the uid must be root or a
+A sandbox VM has no kernel of its own to power off. Its users get real root through Debian's
+sudo (the VM's /etc/sudoers.d holds the guest agent's google_sudoers, guest.py), so the guest side
+is `shutdown`, `poweroff` and `halt` in the read-only overlay over the VM's /usr/sbin (vm.py's boot
+script; sudo's secure_path finds /usr/sbin, not a user's PATH): they refuse a caller that is not
+root ("must be superuser"), otherwise ask the emulator to power the VM off, through a Unix socket
+in the abstract namespace (VMs share the host's network namespace, so it is reachable, and no path
+length or mount matters). The socket's name is in /run/localcloud/guest-bin/power-socket.
+The emulator decides from what the kernel says, not from what the program claims: SO_PEERCRED
+gives the caller's pid and uid; the pid's PID namespace names the VM, the uid must be root or a
 google-sudoers member in that VM's own /etc/passwd and /etc/group. The product code sees only
 `sudo` and `shutdown`.
 """
@@ -36,49 +30,12 @@ from .guest import SUDOERS_GROUP, read_table
 
 SHIM_DIR = "guest-bin"  # under vm-etc, so /run/localcloud/guest-bin in every VM
 VM_SHIM_DIR = f"/run/localcloud/{SHIM_DIR}"
-SOCKET_FILE = "power-socket"  # the abstract socket's name, beside the shims
-
-_SUDO = r"""#!/bin/bash
-# localcloud's sudo (see localcloud/compute/guest_power.py): root and google-sudoers members run
-# the command (as themselves: the sandbox has no root to give); everyone else is refused, as sudo
-# refuses a user the sudoers files do not name.
-non_interactive=no
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --) shift; break ;;
-    -n|--non-interactive) non_interactive=yes; shift ;;
-    -u|-g|-C|-D|-h|-p|-r|-t|-T|-U) shift 2 ;;
-    -*) shift ;;
-    *) break ;;
-  esac
-done
-if [ $# -eq 0 ]; then
-  echo "usage: sudo [-n] command [arg ...]" >&2
-  exit 1
-fi
-allowed=no
-if [ "$(id -u)" = 0 ]; then
-  allowed=yes
-else
-  for group in $(id -Gn); do
-    [ "$group" = google-sudoers ] && allowed=yes
-  done
-fi
-if [ "$allowed" != yes ]; then
-  if [ "$non_interactive" = yes ]; then
-    echo "sudo: a password is required" >&2
-  else
-    echo "sudo: a terminal is required to read the password; either use the -S option to read from standard input or configure an askpass helper" >&2
-  fi
-  exit 1
-fi
-export SUDO_USER="$(id -un)" SUDO_UID="$(id -u)" SUDO_GID="$(id -g)" SUDO_COMMAND="$*"
-exec "$@"
-"""
+SOCKET_FILE = "power-socket"  # the abstract socket's name, in SHIM_DIR
+POWER_PROGRAMS = ("shutdown", "poweroff", "halt")  # in the VM's /usr/sbin layer (first_boot.py)
 
 _POWER = r"""#!/usr/bin/python3
 # localcloud's shutdown / poweroff / halt (see localcloud/compute/guest_power.py): a power-off of
-# this VM, asked of the compute emulator. Reboot, delays and cancels are not modelled.
+# this VM, asked of the compute emulator, for root only. Reboot, delays and cancels are not modelled.
 import os, socket, sys
 
 prog = os.path.basename(sys.argv[0])
@@ -93,10 +50,10 @@ else:  # halt powers off only with -p
 if not ok:
     print(f"{prog}: localcloud models only an immediate power-off ({prog} {' '.join(args)})", file=sys.stderr)
     sys.exit(1)
-if os.geteuid() != 0 and "SUDO_UID" not in os.environ:
+if os.geteuid() != 0:
     print(f"{prog}: must be superuser.", file=sys.stderr)
     sys.exit(1)
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "power-socket")) as f:
+with open("/run/localcloud/guest-bin/power-socket") as f:
     name = f.read().strip()
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("\0" + name)
@@ -108,24 +65,24 @@ if answer != "ok":
 """
 
 
-def write_shims(vm_etc: Path, socket_name: str) -> Path:
-    """The shims in STATE_DIR/vm-etc/guest-bin (seen read-only by every VM); returns that folder."""
+def write_shims(vm_etc: Path, socket_name: str, sbin: Path) -> None:
+    """The power-off programs in `sbin` (the VM's /usr/sbin layer) and the socket's name in
+    STATE_DIR/vm-etc/guest-bin (seen read-only by every VM)."""
     folder = vm_etc / SHIM_DIR
     folder.mkdir(parents=True, exist_ok=True)
     (folder / SOCKET_FILE).write_text(socket_name + "\n")
-    for name, text in (("sudo", _SUDO), ("shutdown", _POWER), ("poweroff", _POWER), ("halt", _POWER)):
-        tmp = folder / f".{name}.tmp"
-        tmp.write_text(text)
+    sbin.mkdir(parents=True, exist_ok=True)
+    for name in POWER_PROGRAMS:
+        tmp = sbin / f".{name}.tmp"
+        tmp.write_text(_POWER)
         tmp.chmod(0o755)
-        os.replace(tmp, folder / name)
-    return folder
+        os.replace(tmp, sbin / name)
 
 
 def session_path(env: dict[str, str]) -> str:
-    """The PATH a VM's SSH sessions get: the shims first, then the image's (or sshd's default)."""
+    """The PATH a VM's SSH sessions get: the image's, or sshd's default."""
     # Debian's sshd gives a user session this PATH when nothing sets one.
-    rest = env.get("PATH") or "/usr/local/bin:/usr/bin:/bin:/usr/games"
-    return f"{VM_SHIM_DIR}:{rest}"
+    return env.get("PATH") or "/usr/local/bin:/usr/bin:/bin:/usr/games"
 
 
 def may_power_off(vm_etc_dir: Path, uid: int) -> bool:

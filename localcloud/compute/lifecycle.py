@@ -82,8 +82,9 @@ class InstanceLifecycle(Operations):
                     project_metadata = copy.deepcopy(self._project_metadata(inst.project))
                 # The image's own environment (its /etc/environment) over the cloud-wide one.
                 env = {**self.vm_env, **disk_images.image_environment(inst.image_dir)}
-                env["PATH"] = guest_power.session_path(env)  # the guest's sudo and shutdown first
-                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=env, fqdn=inst.fqdn)
+                env["PATH"] = guest_power.session_path(env)
+                vm = SandboxVM(self.state_dir, inst.name, inst.ip, env=env, fqdn=inst.fqdn,
+                               first_boot=self.first_boot.boot_args)
                 inst.vm = vm
                 vm.prepare()
                 disk_images.restore(inst.image_dir, vm.root)  # what an image of a boot disk holds
@@ -485,6 +486,7 @@ class InstanceLifecycle(Operations):
                     "status": inst.status,
                     "preempted": inst.preempted,
                     "users": sorted(users),
+                    "first_boot": vm.first_boot_state(),  # vm.py: cloud-init's state, dpkg's lock holder
                 }
             )
         return result

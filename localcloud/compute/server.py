@@ -154,6 +154,9 @@ class ControlApi:
         if what == "reservations" and method == "POST":
             # {"project", "zone", "name", "count", "machine_type"}: create or change a reservation.
             return 200, emulator.set_reservation(body)
+        if what == "first-boot" and method == "POST":
+            # {"cloud_init_seconds": S, "dpkg_lock_seconds": S}: what the next VMs' boots go through.
+            return 200, emulator.set_first_boot(body)
         if what == "images" and method == "POST":  # {"PROJECT/FAMILY": "/abs/image/dir"}, merged
             if not isinstance(body, dict) or not all(isinstance(v, str) and v.startswith("/") for v in body.values()):
                 raise ApiError(400, "invalid", "Expected {\"PROJECT/FAMILY\": \"/absolute/image/dir\"}.")

@@ -2,10 +2,13 @@
 
 Layout on the host, `STATE_DIR/vms/NAME/`:
     vm.json        name, ip, host pid (+ start time) of `unshare`, PID namespace, owner pid
-    etc/           the VM's passwd, group, shadow and hosts (bind-mounted over /etc/...)
+    etc/           the VM's passwd, group, shadow and hosts (bind-mounted over /etc/...), and
+                   its sudoers.d (over /etc/sudoers.d)
     etc-ssh/       sshd_config (with a SetEnv line for the VM environment), host keys, moduli
                    (bind-mounted over /etc/ssh)
     home/ tmp/ var-tmp/ shm/ root/  bind-mounted over /home, /tmp, /var/tmp, /dev/shm, /root
+    var-lib/ var-cache-apt/  the VM's dpkg lock files (over /var/lib/dpkg/lock-frontend and lock),
+                   its /var/lib/apt and /var/cache/apt (apt's lists and archives locks)
     sshd.log       sshd's stderr
 `STATE_DIR/vm-etc/` is bind-mounted read-only at /run/localcloud in every VM.
 
@@ -34,10 +37,19 @@ from pathlib import Path
 HOST_KEY_TYPES = ("ed25519", "ecdsa", "rsa")
 
 # Runs as PID 1 of the new namespaces, then becomes sshd. $1 = state dir, $2 = VM name,
-# $3 = the VM's hostname (its own UTS namespace).
+# $3 = the VM's hostname (its own UTS namespace), $4 and $5 = the first boot's seconds of
+# cloud-init running and of the dpkg lock held (first_boot.py; 0 and 0: no first-boot phase).
 # The state dir is first bound at /mnt so that every source stays reachable even when the
 # state dir lives under a directory that is overlaid below (/tmp, /home, /run); that staging
 # mount is dropped again before sshd starts.
+# The VM's users get real root through Debian's sudo (/etc/sudoers.d is the VM's own, where the
+# guest agent writes google_sudoers; guest.py). What root may reach is the host's, so the host's
+# root filesystem is read-only in the VM and the VM's own files are put over what sudo'd commands
+# use: /usr/bin and /usr/sbin get a read-only overlay whose top layer holds the VM's apt-get, apt,
+# cloud-init and unattended-upgrade and its shutdown, poweroff and halt (first_boot.py,
+# guest_power.py; an overlay, not file binds, because the host has no /usr/bin/cloud-init to bind
+# over and its /usr/sbin/shutdown is a link to systemctl), and each dpkg/apt lock file is the VM's
+# own, so each VM's locks are its own and the host's are untouched.
 _BOOT_SCRIPT = r"""
 set -eu
 hostname "$3"
@@ -48,12 +60,29 @@ mkdir -p /run/sshd /run/localcloud
 mount --bind -o ro /mnt/vm-etc /run/localcloud
 mount --bind "$V/etc-ssh" /etc/ssh
 for f in passwd group shadow hosts; do mount --bind "$V/etc/$f" "/etc/$f"; done
+mount --bind "$V/etc/sudoers.d" /etc/sudoers.d
+mount -t overlay overlay -o ro,lowerdir=/run/localcloud/guest-os/usr-bin:/usr/bin /usr/bin
+mount -t overlay overlay -o ro,lowerdir=/run/localcloud/guest-os/usr-sbin:/usr/sbin /usr/sbin
+for lock in dpkg/lock-frontend dpkg/lock; do
+  [ -e "/var/lib/$lock" ] || : >"/var/lib/$lock"  # what dpkg itself creates on its first run
+  mount --bind "$V/var-lib/$lock" "/var/lib/$lock"
+done
+mount --bind "$V/var-lib/apt" /var/lib/apt
+mount --bind "$V/var-cache-apt" /var/cache/apt
 mount --bind "$V/home" /home
 mount --bind "$V/root" /root
 mount --bind "$V/shm" /dev/shm
 mount --bind "$V/var-tmp" /var/tmp
 mount --bind "$V/tmp" /tmp
 umount /mnt
+# The host's root filesystem read-only for this VM's root (this namespace's mount only: the host's
+# stays read-write): what a sudo'd command writes outside the VM's own mounts fails instead of
+# changing the host. It keeps a script's mistakes out, not a determined root (who may remount).
+mount -o remount,bind,ro /
+# The first boot (first_boot.py): cloud-init's status (running for $4 s), the upgrade job's locks
+# (held for $5 s); each returns once its state is in place, before sshd answers.
+/usr/bin/cloud-init localcloud-boot "$4"
+[ "$5" = 0 ] || /usr/bin/unattended-upgrade --localcloud-hold "$5"
 exec /usr/sbin/sshd -D -e
 """
 
@@ -114,8 +143,12 @@ class SandboxVM:
         owner_pid: int | None = None,
         env: dict[str, str] | None = None,
         fqdn: str | None = None,
+        first_boot: tuple[float, float] = (0.0, 0.0),
     ) -> None:
-        """`fqdn`: the instance's hostname as the metadata server gives it (default: `name`)."""
+        """`fqdn`: the instance's hostname as the metadata server gives it (default: `name`).
+        `first_boot`: seconds of cloud-init running and of the dpkg lock held after boot
+        (first_boot.FirstBoot; (0, 0): none)."""
+        self.first_boot = first_boot
         self.state_dir = state_dir
         self.env = dict(env or {})
         self.name = name
@@ -144,10 +177,17 @@ class SandboxVM:
         self.root.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root.parent, 0o700)
         (self.state_dir / "vm-etc").mkdir(parents=True, exist_ok=True)
-        for sub, mode in (("etc", 0o755), ("etc-ssh", 0o755), ("home", 0o755), ("root", 0o700), ("tmp", 0o1777), ("var-tmp", 0o1777), ("shm", 0o1777)):
+        for sub, mode in (("etc", 0o755), ("etc-ssh", 0o755), ("home", 0o755), ("root", 0o700), ("tmp", 0o1777), ("var-tmp", 0o1777), ("shm", 0o1777),
+                          ("etc/sudoers.d", 0o755), ("var-lib", 0o755), ("var-lib/dpkg", 0o755), ("var-lib/apt", 0o755),
+                          ("var-lib/apt/lists", 0o755), ("var-cache-apt", 0o755), ("var-cache-apt/archives", 0o755)):
             path = self.root / sub
             path.mkdir(parents=True)
             os.chmod(path, mode)
+        # The VM's own dpkg and apt lock files, as dpkg and apt create them (root, 0640: apt's
+        # GetLock opens with mode 0640, so a user who is not root cannot open them).
+        for lock in ("var-lib/dpkg/lock-frontend", "var-lib/dpkg/lock", "var-lib/apt/lists/lock", "var-cache-apt/archives/lock"):
+            (self.root / lock).touch(mode=0o640)
+            os.chmod(self.root / lock, 0o640)
         for name in ("passwd", "group", "shadow"):
             shutil.copy2(f"/etc/{name}", self.root / "etc" / name)
         # The machine's hosts file plus the line the guest agent writes for the VM's address.
@@ -184,6 +224,7 @@ class SandboxVM:
                     "unshare", "--mount", "--pid", "--uts", "--fork", "--kill-child", "--mount-proc",
                     "--propagation", "private",
                     "/bin/sh", "-c", _BOOT_SCRIPT, "vm-boot", str(self.state_dir), self.name, self.hostname,
+                    *(f"{seconds:g}" for seconds in self.first_boot),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
@@ -235,6 +276,27 @@ class SandboxVM:
         except ProcessLookupError:
             return False
         return True
+
+    def first_boot_state(self) -> dict:
+        """What the VM's first boot shows now, seen from the host: cloud-init's state from its
+        status files in the VM's /run ("running", "done", or None before it wrote any), and the
+        host pid of the VM's unattended-upgr while it runs (None after: it then released dpkg's
+        lock)."""
+        state: dict = {"cloud_init": None, "dpkg_lock_holder": None}
+        if not self.alive() or not self.ns_init_pid or not self.pidns or _pidns(self.ns_init_pid) != self.pidns:
+            return state
+        run = Path(f"/proc/{self.ns_init_pid}/root/run/cloud-init")  # the VM's own /run
+        if (run / "result.json").exists():
+            state["cloud_init"] = "done"
+        elif (run / "status.json").exists():
+            state["cloud_init"] = "running"
+        for pid in pids_in_namespace(self.pidns):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "unattended-upgr":
+                    state["dpkg_lock_holder"] = pid
+            except OSError:
+                pass
+        return state
 
     def log_tail(self, size: int = 2000) -> str:
         try:

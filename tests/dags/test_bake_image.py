@@ -3,6 +3,7 @@ skips; a fine-tune booting the family skips the install; bad input fails before 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -61,11 +62,25 @@ def test_bad_input_fails_before_any_vm(bake, local_cloud):
     assert [r for r in local_cloud.requests() if r["method"] != "GET"] == []
 
 
-def test_bake_then_skip_then_a_run_on_the_family_skips_the_install(bake, run_pipeline, local_cloud):
+# The bake's VM boots as a fresh Ubuntu image does: cloud-init runs 6 s and unattended-upgrades
+# holds dpkg's lock 25 s. The install waits for cloud-init first, so its first dpkg call comes 6 s
+# or more after the boot, when the lock still has up to 19 s to go (without a first boot the whole
+# bake took 8 s here, its install's first apt call 3-4 s after the boot): the install must wait for
+# the lock (the old script failed there at once). The test's wall time grows by that wait, ~20 s.
+BAKE_FIRST_BOOT = (6, 25)
+
+
+def test_bake_then_skip_then_a_run_on_the_family_skips_the_install(bake, run_pipeline, local_cloud, first_boot):
+    watch = first_boot(*BAKE_FIRST_BOOT)
     baked = bake(BAKE_CONF)
     assert baked.state == "success", baked.task_states
     assert set(baked.task_states.values()) == {"success"}
     assert "Installing MaxText 0.2.2 into" in baked.log and "MaxText 0.2.2 installed in" in baked.log
+    # It met the first boot's lock, waited for it through apt (no error), then installed.
+    assert re.search(r"Waiting for cache lock: Could not get lock /var/lib/dpkg/lock-frontend\. It is held by process"
+                     r" \d+ \(unattended-upgr\)", baked.log), baked.log[-3000:]
+    assert "E: " not in baked.log and "giving up" not in baked.log
+    assert any(state["dpkg_lock_holder"] for _, _, state in watch.samples), watch.samples
     image = baked.xcoms["create_image.return_value"]
     assert image["status"] == "READY" and image["family"] == "maxtext-sft"
     assert image["labels"]["maxtext-version"] == "0-2-2" and image["labels"]["maxtext-vm-user"] == "maxtext"

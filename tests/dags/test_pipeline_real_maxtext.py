@@ -3,6 +3,7 @@ the sample-generations DAG downstream of it loads the tuned model in the image's
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from huggingface_hub import HfApi, ModelCard
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
 from tests.conftest import REPO
-from tests.dags.conftest import REAL_MAXTEXT_TIMEOUT, wait_for_run_end, wait_until
+from tests.dags.conftest import REAL_MAXTEXT_TIMEOUT, REAL_RUN_FIRST_BOOT, wait_for_run_end, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext, pytest.mark.timeout(REAL_MAXTEXT_TIMEOUT)]
 STEPS = 4  # each step saves a checkpoint to gs:// (several checkpoints, as a real run makes)
@@ -28,7 +29,7 @@ def real_image(local_cloud):
 
 
 def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_the_model(
-    start_airflow, real_image, local_cloud, hf_token
+    start_airflow, real_image, local_cloud, hf_token, first_boot
 ):
     # What `make run` does, through Airflow's real components: MaxText itself writes its run
     # folder to gs:// (Orbax, tensorstore and gcsfs reach the local GCS from the VM), the export
@@ -38,9 +39,14 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     airflow = start_airflow({"AIRFLOW__MAXTEXT_SFT__GENERATION_PYTHON": str(python)})
     # The waits are checked every 5 s: they are deferred, so a check is an SSH call in the
     # triggerer, not a task process beside MaxText (when they were, 30 s: 23 checks of ~5.5 s each).
+    watch = first_boot(*REAL_RUN_FIRST_BOOT)  # its VM boots as a fresh Ubuntu image does
     run_id = airflow.trigger({**real_maxtext_run_conf(real_image, steps=STEPS, outputs=True), "poke_interval_seconds": 5})
     run = wait_for_run_end(airflow, run_id, timeout=1500)
     assert run["state"] == "success", airflow.task_states(run_id)
+    # The first boot was still in force when the install step ended (the image has MaxText: it
+    # skipped before apt), and the run went through it.
+    [install] = [ti for ti in airflow.task_instances(run_id) if ti["task_id"] == "install_maxtext"]
+    assert len(watch.in_force_after(datetime.datetime.fromisoformat(install["end_date"]))) == 1, watch.samples[:5]
     assert airflow.xcom(run_id, "wait_for_final_checkpoint")["final_step"] == STEPS
     # MaxText's own eval loop measured the base model before the first step and the tuned model
     # after the last, on the toy's held-out split, and wrote both to its metrics file.

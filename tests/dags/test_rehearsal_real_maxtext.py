@@ -10,7 +10,7 @@ import pytest
 from localcloud.connections import LOCAL_REHEARSAL_CONF, REHEARSAL_IMAGE_KEY
 from localcloud.images import build_fast_image, build_real_image
 from maxtext_sft.results.rehearsal import CHECKS, PASSED
-from tests.dags.conftest import REAL_MAXTEXT_DAG_TEST_CONF, REAL_MAXTEXT_TIMEOUT
+from tests.dags.conftest import REAL_MAXTEXT_DAG_TEST_CONF, REAL_MAXTEXT_TIMEOUT, REAL_RUN_FIRST_BOOT
 from tests.plugins.test_rehearsal import differences
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext, pytest.mark.timeout(REAL_MAXTEXT_TIMEOUT)]
@@ -36,13 +36,19 @@ def inserted_body(local_cloud) -> dict:
     return insert["body"]
 
 
-def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(rehearsal_image, run_pipeline, local_cloud):
+def test_the_rehearsal_runs_maxtext_at_toy_size_and_passes_every_check(
+    rehearsal_image, run_pipeline, local_cloud, first_boot
+):
     # Without MaxText's held-out evaluation (measured: two passes over the split, 65 s of the
     # training's 236 s here): the pipeline's real run evaluates with the same MaxText arguments
     # (test_pipeline_real_maxtext.py), and the kit's eval split is checked in test_rehearsal_kit.py.
     conf = {**LOCAL_REHEARSAL_CONF, "hub_repo_id": "local-team/gemma3-rehearsal", "eval_split": None}
+    watch = first_boot(*REAL_RUN_FIRST_BOOT)  # its VM boots as a fresh Ubuntu image does
     run = run_pipeline({**conf, **REAL_MAXTEXT_DAG_TEST_CONF}, dag_id="maxtext_sft_rehearsal")
     assert run.state == "success", run.report()
+    # The first boot was still in force when the install step ended (the image has MaxText: it
+    # skipped before apt), and the run went through it.
+    assert len(watch.in_force_after(run.end_dates["install_maxtext"])) == 1, watch.samples[:5]
     assert local_cloud.vms() == []
     summary = run.xcoms["summarize_run.return_value"]
     checks = {row["check"]: row for row in summary["rehearsal_checks"]}

@@ -1,12 +1,14 @@
 """install_maxtext.sh's full install path, with recording stand-ins for what needs the internet.
 
-sudo, curl, uv and MaxText's extra-deps installer are replaced by scripts that write their
-arguments to a log; the test asserts the tutorial's commands, in the tutorial's order, then
-that a second run installs nothing.
+cloud-init, sudo, curl, uv and MaxText's extra-deps installer are replaced by scripts that write
+their arguments to a log; the test asserts the tutorial's commands, in the tutorial's order, each
+apt call as a first boot needs it (cloud-init waited for first; apt's settings on sudo's command
+line, dpkg's lock waited for, conffile questions answered), then that a second run installs nothing.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -49,12 +51,13 @@ UV = textwrap.dedent(
 
 @pytest.fixture
 def machine(tmp_path):
-    """A home, a PATH whose sudo and curl record instead of acting, and the command log."""
+    """A home, a PATH whose cloud-init, sudo and curl record instead of acting, and the command log."""
     home = tmp_path / "home"
     home.mkdir()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sudo").write_text(f"#!/bin/bash\n{RECORD}\n")
+    (bin_dir / "cloud-init").write_text(f"#!/bin/bash\n{RECORD}\n")
     served = tmp_path / "uv-installer.sh"
     served.write_text(
         "mkdir -p \"$HOME/.local/bin\"\n"
@@ -63,7 +66,7 @@ def machine(tmp_path):
         "echo 'export PATH=\"$HOME/.local/bin:$PATH\"' >\"$HOME/.local/bin/env\"\n"
     )
     (bin_dir / "curl").write_text(f"#!/bin/bash\n{RECORD}\ncat {served}\n")
-    for tool in ("sudo", "curl"):
+    for tool in ("sudo", "cloud-init", "curl"):
         (bin_dir / tool).chmod(0o755)
     log = tmp_path / "commands.log"
     log.touch()
@@ -84,10 +87,14 @@ def test_installs_with_the_tutorials_commands_in_order_then_skips(machine):
     run, log, home = machine
     first = run()
     assert first.returncode == 0, first.stdout + first.stderr
-    assert [line.rstrip() for line in log.read_text().splitlines()] == [
-        "sudo apt-get update",
-        "sudo apt-get upgrade -y --fix-missing",
-        "sudo apt-get install -y build-essential cmake ninja-build",
+    apt = ("sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900"
+           " -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold")
+    # The lock's timeout is what is left of the bound (900 s): a second may have passed.
+    assert [re.sub(r"Timeout=899\b", "Timeout=900", line.rstrip()) for line in log.read_text().splitlines()] == [
+        "cloud-init status --wait",
+        f"{apt} update",
+        f"{apt} upgrade -y --fix-missing",
+        f"{apt} install -y build-essential cmake ninja-build",
         "curl -LsSf https://astral.sh/uv/install.sh",
         "uv python install 3.12",
         "uv venv --python 3.12 --seed maxtext_venv",

@@ -1554,18 +1554,29 @@ def test_a_guest_shutdown_by_a_sudoer_stops_the_instance(
 
     with ssh(ip, "visitor", key) as client:
         assert "google-sudoers" not in run(client, "id -Gn").split()
+        # Debian's real sudo: the VM's /etc/sudoers.d names only google-sudoers.
         assert exec_status(client, "sudo -n shutdown -h now") == (1, "sudo: a password is required\n")
-        assert exec_status(client, "shutdown -h now") == (1, "shutdown: must be superuser.\n")
-        # Claiming sudo does not convince the emulator: it checks the caller's uid itself.
-        assert exec_status(client, "SUDO_UID=0 poweroff") == (1, "poweroff: must be superuser.\n")
+        assert exec_status(client, "/usr/sbin/shutdown -h now") == (1, "shutdown: must be superuser.\n")
+        # Going around the program does not convince the emulator: it checks the caller's uid
+        # itself (SO_PEERCRED), whatever the caller says.
+        ask = ("import socket; s = socket.socket(socket.AF_UNIX); "
+               "s.connect('\\0' + open('/run/localcloud/guest-bin/power-socket').read().strip()); "
+               "s.sendall(b'poweroff\\n'); print(s.makefile().readline().strip())")
+        assert run(client, f"SUDO_UID=0 python3 -c {shlex.quote(ask)}") == "must be superuser.\n"
     assert compute_instances_client.get(project=PROJECT, zone=ZONE, instance=name).status == "RUNNING"
 
     with ssh(ip, "maxtext", key) as client:
         assert "google-sudoers" in run(client, "id -Gn").split()
-        assert run(client, "command -v sudo shutdown").split() == [
-            "/run/localcloud/guest-bin/sudo",
-            "/run/localcloud/guest-bin/shutdown",
-        ]
+        # Real root through real sudo, with its defaults: env_reset drops what the caller exported
+        # (sudo keeps TERM, set to "unknown" when the caller had none), PATH is secure_path, and
+        # what root runs of apt and shutdown is the VM's own (first_boot.py, guest_power.py).
+        assert run(client, "command -v sudo; sudo -n id -u") == "/usr/bin/sudo\n0\n"
+        env = dict(line.split("=", 1) for line in run(client, "DEBIAN_FRONTEND=noninteractive sudo -n env").splitlines())
+        assert "DEBIAN_FRONTEND" not in env and env["SUDO_USER"] == "maxtext"
+        assert env["PATH"] == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        assert run(client, "sudo -n sh -c 'command -v shutdown; command -v apt-get'") == "/usr/sbin/shutdown\n/usr/bin/apt-get\n"
+        assert "localcloud: nothing fetched" in run(client, "sudo -n apt-get update")
+        assert run(client, "sudo -n cat /etc/sudoers.d/google_sudoers") == "%google-sudoers ALL=(ALL:ALL) NOPASSWD:ALL\n"
         run(client, "echo kept > ~/marker; setsid nohup sleep 1000 > /dev/null 2>&1 < /dev/null &")
         vm = next(v for v in compute_cloud.vms() if v["name"] == name)
         pidns = os.readlink(f"/proc/{vm['sshd_pid']}/ns/pid")

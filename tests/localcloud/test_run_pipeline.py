@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from localcloud.connections import LOCAL_RUN_CONF, LOCAL_SLICE_CONF, LOCAL_SLICE_HOSTS, LOCAL_SLICE_MACHINE_TYPE
+from localcloud.compute.first_boot import FirstBoot
 from localcloud.run_pipeline import lifecycle_request, parse_args, run_conf
 from tests.conftest import REPO
 
@@ -51,18 +52,26 @@ def test_the_other_dags_default_to_the_real_maxtext(argv, dag, maxtext):
     assert (args.dag, args.maxtext, args.rehearsal) == (dag, maxtext, dag == "maxtext_sft_rehearsal")
 
 
+def test_make_runs_vms_go_through_a_first_boot_unless_told_not_to(capsys):
+    assert parse_args([]).first_boot == FirstBoot(cloud_init_seconds=60, dpkg_lock_seconds=180)
+    assert parse_args(["--first-boot", "0,0"]).first_boot == FirstBoot()
+    with pytest.raises(SystemExit):
+        parse_args(["--first-boot", "60"])
+    assert "--first-boot takes CLOUD_INIT_S,DPKG_LOCK_S" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("conf", ["[1]", "{steps: 3}"])
 def test_a_conf_that_is_not_a_json_object_is_refused(conf):
     with pytest.raises(SystemExit):
         parse_args(["--conf", conf])
 
 
-def test_make_run_passes_dag_and_installs_only_sshd():
+def test_make_run_passes_dag_and_installs_only_sshd_and_sudo():
     """What `make run DAG=maxtext_sft_slice` would run (make -n prints, runs nothing)."""
     printed = subprocess.run(["make", "-n", "run", "DAG=maxtext_sft_slice"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout
     assert "-m localcloud.run_pipeline --dag maxtext_sft_slice  --conf '{}'" in printed
-    assert "for deb in openssh-server; do" in printed  # not the test suite's PostgreSQL, Redis, Chromium
+    assert "for deb in openssh-server sudo; do" in printed  # not the test suite's PostgreSQL, Redis, Chromium
     printed = subprocess.run(["make", "-n", "run", "MAXTEXT=fast"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout
     assert "-m localcloud.run_pipeline --dag maxtext_sft --maxtext fast --conf '{}'" in printed
