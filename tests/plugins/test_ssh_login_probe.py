@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+import types
 
 import pytest
 
@@ -207,3 +208,34 @@ def test_the_pinned_keys_come_from_the_waits_xcom_in_another_task_of_the_run(mon
     assert vm_access.pinned_host_keys("vm-2") is None  # another VM: nothing pinned for it
     ti.task_id = "provision.wait_for_ssh"
     assert vm_access.pinned_host_keys("vm-1") is None  # the wait itself pins
+
+
+def test_a_slices_host_threads_use_the_pinned_keys_read_in_the_tasks_own_thread(monkeypatch):
+    """Airflow 3.3.1 cannot read an XCom from a thread the task started (its supervisor channel
+    lives in the task's own thread): on_every_host reads the wait's XCom first, and each host's
+    thread finds it without reading again."""
+    import threading
+
+    import airflow.sdk
+    from maxtext_sft.vm.slice_hosts import on_every_host
+
+    main = threading.current_thread()
+
+    class Wait:
+        pins_host_keys = True
+
+    class Ti:
+        id, dag_id, run_id, task_id, try_number = "ti-threads", "maxtext_sft_slice", "manual__1", "install_maxtext", 1
+
+        def xcom_pull(self, task_ids):
+            if threading.current_thread() is not main:
+                raise ImportError("cannot import name 'SUPERVISOR_COMMS'")  # what 3.3.1 raises there
+            return {"host_keys": {"vm-1": OLD, "vm-2": NEW}, "instance_ids": {"vm-1": "7", "vm-2": "8"}}
+
+    class Dag:
+        task_dict = {"wait_for_ssh": Wait(), "install_maxtext": object()}
+
+    ti = Ti()
+    monkeypatch.setattr(airflow.sdk, "get_current_context", lambda: {"ti": ti, "dag": Dag()})
+    hosts = [types.SimpleNamespace(vm_name="vm-1", host_index=0), types.SimpleNamespace(vm_name="vm-2", host_index=1)]
+    assert on_every_host(hosts, lambda spec: vm_access.pinned_host_keys(spec.vm_name), "install") == [(OLD, "7"), (NEW, "8")]

@@ -113,6 +113,20 @@ PINNED_KEYS = "host_keys"
 def pinned_host_keys(vm_name: str) -> tuple[dict[str, str], str] | None:
     """(keys, instance id) the run's wait for SSH pinned for VM `vm_name`, read from its XCom when
     this runs in another task of that run; None elsewhere (the wait itself, a trigger, no task)."""
+    record = pinned_record()
+    keys = (record.get(PINNED_KEYS) or {}).get(vm_name) if record else None
+    return (keys, str((record.get("instance_ids") or {}).get(vm_name) or "")) if keys else None
+
+
+# The wait's XCom, read once per task try: a slice's per-host threads (slice_hosts.on_every_host,
+# which reads it first in the task's own thread) cannot reach the task's supervisor themselves on
+# every Airflow this package supports (3.3.1's XCom read from a thread fails).
+_PINNED_RECORDS: dict[str, dict | None] = {}
+
+
+def pinned_record() -> dict | None:
+    """The run's wait-for-SSH XCom as this task try sees it (see pinned_host_keys); None outside a
+    task, in the wait itself, or in a DAG without one."""
     try:
         from airflow.sdk import get_current_context
 
@@ -123,9 +137,10 @@ def pinned_host_keys(vm_name: str) -> tuple[dict[str, str], str] | None:
     waits = [task_id for task_id, task in getattr(dag, "task_dict", {}).items() if getattr(task, "pins_host_keys", False)]
     if ti is None or not waits or ti.task_id in waits:
         return None
-    record = ti.xcom_pull(task_ids=waits[0]) or {}
-    keys = (record.get(PINNED_KEYS) or {}).get(vm_name)
-    return (keys, str((record.get("instance_ids") or {}).get(vm_name) or "")) if keys else None
+    key = "/".join(str(getattr(ti, name, "")) for name in ("id", "dag_id", "run_id", "task_id", "try_number"))
+    if key not in _PINNED_RECORDS:
+        _PINNED_RECORDS[key] = ti.xcom_pull(task_ids=waits[0]) or {}
+    return _PINNED_RECORDS[key]
 
 
 def instance_id(spec: RunSpec, gcp_conn_id: str, hook: ComputeEngineEndpointHook | None = None) -> str:

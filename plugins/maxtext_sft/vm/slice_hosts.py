@@ -59,6 +59,9 @@ def check_hosts_running(specs: list[RunSpec], gcp_conn_id: str) -> None:
 def on_every_host(specs: list[RunSpec], work, what: str) -> list:
     """`work(spec)` on every host at once; the results in worker order. Every host's failure is
     named (not only the first), after all of them ended."""
+    from maxtext_sft.vm.access import pinned_record  # imported when used: access imports this module's neighbours
+
+    pinned_record()  # read in the task's own thread, for the hosts' threads (vm.access)
     with ThreadPoolExecutor(max_workers=len(specs)) as pool:
         futures = [pool.submit(work, spec) for spec in specs]
         outcomes = []
