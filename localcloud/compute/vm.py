@@ -290,6 +290,10 @@ class SandboxVM:
             state["cloud_init"] = "done"
         elif (run / "status.json").exists():
             state["cloud_init"] = "running"
+        if self.first_boot[1] <= 0:
+            # No lock holder was started: no scan of /proc (every pid's namespace link), which each
+            # read of vms() would otherwise pay per VM: the suite's waits read vms() often.
+            return state
         for pid in pids_in_namespace(self.pidns):
             try:
                 if Path(f"/proc/{pid}/comm").read_text().strip() == "unattended-upgr":
