@@ -144,6 +144,7 @@ class Airflow:
         self.site_dirs = tuple(Path(folder) for folder in site_dirs)
         self.processes: dict[str, subprocess.Popen] = {}
         self.token: str | None = None
+        self.request_timeout = 30.0  # s: one REST API request's (see request)
         self._env: dict[str, str] | None = None
 
     # ----- lifecycle --------------------------------------------------------------------------
@@ -263,7 +264,13 @@ class Airflow:
         return f"http://127.0.0.1:{self.port}"
 
     def request(self, method: str, path: str, body=None, auth=True, missing_ok=False):
-        for attempt in (1, 2):
+        # A read that times out is asked again, once: on a loaded machine (the whole suite on two
+        # cores) an api-server has taken over 30 s to answer one read (CI: a test failed on it).
+        # A write is not: it may have happened.
+        timeouts_left = 1 if method == "GET" else 0
+        attempt = 0
+        while True:
+            attempt += 1
             request = urllib.request.Request(f"{self.url}{path}", method=method)
             if auth:
                 if self.token is None:
@@ -274,7 +281,7 @@ class Airflow:
                 data = json.dumps(body).encode()
                 request.add_header("Content-Type", "application/json")
             try:
-                with urllib.request.urlopen(request, data=data, timeout=30) as response:
+                with urllib.request.urlopen(request, data=data, timeout=self.request_timeout) as response:
                     return json.load(response)
             except urllib.error.HTTPError as error:
                 if missing_ok and error.code == 404:
@@ -283,6 +290,10 @@ class Airflow:
                     self.token = None  # expired: a new one, once
                     continue
                 raise AirflowError(f"{method} {path}: {error.code} {error.read().decode()[:500]}") from error
+            except TimeoutError:
+                if not timeouts_left:
+                    raise
+                timeouts_left -= 1
 
     def get(self, path: str, **kwargs):
         return self.request("GET", path, **kwargs)

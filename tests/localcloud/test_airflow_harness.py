@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import os
 import subprocess
 import sys
+import threading
+
+import pytest
 
 from localcloud.airflow_harness import Airflow
 from tests.conftest import GC_THRESHOLDS, REPO
@@ -32,3 +36,64 @@ def started_thresholds(env: dict[str, str] | None) -> tuple[int, ...]:
     probe = subprocess.run([sys.executable, *isolated, "-c", "import gc; print(*gc.get_threshold())"],
                            env=env, capture_output=True, text=True, timeout=60, check=True)
     return tuple(int(n) for n in probe.stdout.split())
+
+
+class StallingApi(http.server.BaseHTTPRequestHandler):
+    """An api-server that leaves its first `stalls` requests unanswered past the client's timeout."""
+
+    stalls = 1
+    seen: list[str] = []
+
+    def do_GET(self):
+        self._answer()
+
+    def do_POST(self):
+        self._answer()
+
+    def _answer(self):
+        type(self).seen.append(self.command)
+        if len(self.seen) <= self.stalls:
+            self.server.release.wait(10)  # answers nothing until the test is done with it
+            return
+        body = b'{"state": "running"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stalling_api(tmp_path):
+    StallingApi.seen, StallingApi.stalls = [], 1
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StallingApi)
+    server.release = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    airflow = Airflow(tmp_path / "home", AIRFLOW_TEST_SETTINGS)
+    airflow.port = server.server_address[1]
+    airflow.request_timeout = 0.5
+    yield airflow
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_read_that_times_out_is_asked_again_once(stalling_api):
+    assert stalling_api.request("GET", "/api/v2/x", auth=False) == {"state": "running"}
+    assert StallingApi.seen == ["GET", "GET"]
+
+    StallingApi.seen, StallingApi.stalls = [], 2  # a second timeout is the caller's to see
+    with pytest.raises(TimeoutError):
+        stalling_api.request("GET", "/api/v2/x", auth=False)
+    assert StallingApi.seen == ["GET", "GET"]
+
+
+def test_a_write_that_times_out_is_not_sent_again(stalling_api):
+    # It may have been done (a run triggered): sending it again could do it twice.
+    with pytest.raises(TimeoutError):
+        stalling_api.request("POST", "/api/v2/x", body={}, auth=False)
+    assert StallingApi.seen == ["POST"]

@@ -550,7 +550,10 @@ def test_a_lost_host_fails_the_others_as_jax_does_and_its_step_is_never_committe
         assert host.proc.wait(timeout=HEARTBEAT + 10) == -signal.SIGABRT, host.log.read_text()
     took = time.monotonic() - lost_at
     # A lost worker is noticed when its heartbeats stop; a lost coordinator at once (its socket closes).
-    assert (took >= HEARTBEAT - 0.2 if lost else took < HEARTBEAT), took
+    # The worker's last heartbeat went out up to half the timeout before it was killed (one every
+    # timeout/2), and `lost_at` is read once this process saw the kill, later on a busy machine:
+    # so the bound is half the timeout, less a margin (CI saw 0.77 s against a 0.8 s bound).
+    assert (took >= HEARTBEAT / 2 - 0.2 if lost else took < HEARTBEAT), took
     assert took < HEARTBEAT + 5, took
     for host in survivors:
         log = host.log.read_text()
