@@ -70,11 +70,15 @@ def test_flex_start_and_spot_runs_wait_deferred_resume_after_preemptions_and_lea
     no_reservation = {**LOCAL_RUN_CONF, "reservation": None, "poke_interval_seconds": 2}
     # Holds a training after step 4 until the faults are lifted; the flex-start run's 4 steps end first.
     local_cloud.set_vm_file("maxtext-faults.json", json.dumps({"train_sft": {"stall_at_step": 5}}))
-    # The expiring request's VM has a name of its own, so that its rule is its own.
+    # The expiring request's VM has a name of its own, so that its rule is its own. It expires 20 s
+    # after its insert, not sooner: a trigger event that comes before the executor's report of the
+    # deferral (apache/airflow#72716) has the scheduler fail the try that was already resuming, and
+    # the retry makes a new request. A loaded suite saw the report 8 s after the deferral, behind an
+    # expiry at 6 s (2026-12-07). A real request lasts 90 s at least.
     expiring_prefix = "flex-expiring"
     local_cloud.set_faults({"flex_start_wait": [
         {"seconds": 20, "name_regex": "^maxtext-sft-"},
-        {"seconds": 6, "expires": True, "name_regex": f"^{expiring_prefix}-"},
+        {"seconds": 20, "expires": True, "name_regex": f"^{expiring_prefix}-"},
     ]})
     try:
         spot_run = airflow.trigger({
