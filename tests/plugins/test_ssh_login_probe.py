@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 import types
 
@@ -214,8 +215,6 @@ def test_a_slices_host_threads_use_the_pinned_keys_read_in_the_tasks_own_thread(
     """Airflow 3.3.1 cannot read an XCom from a thread the task started (its supervisor channel
     lives in the task's own thread): on_every_host reads the wait's XCom first, and each host's
     thread finds it without reading again."""
-    import threading
-
     import airflow.sdk
     from maxtext_sft.vm.slice_hosts import on_every_host
 
