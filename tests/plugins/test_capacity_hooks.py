@@ -101,6 +101,40 @@ def test_a_queued_flex_start_request_is_waited_for_until_its_vm_runs(hook, local
         hook.delete_instance(resource_id=spec.vm_name, request_id=None, **where)
 
 
+def test_the_first_read_of_a_queued_vm_waits_out_the_deferrals_report(hook, local_cloud):
+    """A machine that comes at once must not end the wait before the executor has reported the
+    deferral (apache/airflow#72716): the first read waits first_read_after, the later ones
+    poll_interval. Asserted on when the emulator answered the reads."""
+    spec = spec_of("flex-start")
+    where = {"zone": spec.zone, "project_id": spec.project_id}
+    first_read_after, poll_interval = 3.0, 0.2
+    local_cloud.set_faults({"flex_start_wait": {"seconds": 4}})  # RUNNING 4 s after the insert
+    try:
+        operation = hook.start_insert_instance(body=spec.instance_body(), **where)
+        local_cloud.clear_requests()
+        started = time.time()
+        trigger = QueuedInsertTrigger(
+            project_id=spec.project_id, zone=spec.zone, resource_id=spec.vm_name, deadline=started + 120,
+            operation=operation, gcp_conn_id=CONNECTIONS["gcp_conn_id"], poll_interval=poll_interval,
+            first_read_after=first_read_after,
+        )
+        assert trigger.serialize()[1]["first_read_after"] == first_read_after  # kept across a triggerer restart
+
+        async def first_event():
+            return (await anext(trigger.run())).payload
+
+        event = asyncio.run(first_event())
+        reads = [datetime.fromisoformat(r["time"]).timestamp() for r in local_cloud.requests()
+                 if r["method"] == "GET" and r["path"].endswith(f"/instances/{spec.vm_name}")]
+    finally:
+        local_cloud.set_faults({})
+        hook.delete_instance(resource_id=spec.vm_name, request_id=None, **where)
+    assert event["status"] == "running", event
+    assert reads and reads[0] >= started + first_read_after - 0.001, (reads, started)  # the log keeps ms
+    # Read again every poll_interval until RUNNING, not every first_read_after.
+    assert len(reads) >= 2 and max(b - a for a, b in zip(reads, reads[1:])) < first_read_after, reads
+
+
 def test_an_expired_flex_start_request_ends_with_its_operations_error(hook, local_cloud):
     spec = spec_of("flex-start")
     where = {"zone": spec.zone, "project_id": spec.project_id}

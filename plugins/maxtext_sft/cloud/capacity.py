@@ -225,6 +225,11 @@ class QueuedInsertTrigger(BaseTrigger):
                                                                         no machine came: the request ended
       {"status": "timeout", "queued_seconds": S}                        still PENDING at `deadline`
     A read that fails for a passing reason is read again at the next poll.
+
+    The first read waits `first_read_after` (default `poll_interval`): a machine that comes at
+    once would otherwise fire the event before the executor reported the deferral, and the
+    scheduler fails a try that resumes that early (apache/airflow#72716), as for
+    ReservationCapacityTrigger.
     """
 
     def __init__(
@@ -238,6 +243,7 @@ class QueuedInsertTrigger(BaseTrigger):
         poll_interval: float = CAPACITY_POLL_SECONDS,
         impersonation_chain: str | Sequence[str] | None = None,
         queued_since: float | None = None,
+        first_read_after: float | None = None,
     ):
         super().__init__()
         self.project_id = project_id
@@ -249,6 +255,7 @@ class QueuedInsertTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.impersonation_chain = impersonation_chain
         self.queued_since = time.time() if queued_since is None else float(queued_since)
+        self.first_read_after = self.poll_interval if first_read_after is None else float(first_read_after)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -263,6 +270,7 @@ class QueuedInsertTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "impersonation_chain": self.impersonation_chain,
                 "queued_since": self.queued_since,
+                "first_read_after": self.first_read_after,
             },
         )
 
@@ -281,6 +289,7 @@ class QueuedInsertTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         last = None
+        await asyncio.sleep(max(0.0, min(self.first_read_after, self.deadline - time.time())))
         while True:
             queued = round(time.time() - self.queued_since, 1)
             try:

@@ -85,8 +85,8 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     request's expiry (nothing billed; delete_vm removes what is left). A retry that finds the
     instance still PENDING waits for the same request.
 
-    The trigger first reads the reservation `capacity_first_read_seconds` after the deferral, then
-    every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
+    The trigger first reads the reservation (or the queued VM) `capacity_first_read_seconds` after
+    the deferral, then every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
     a deferred try's exit: Airflow 3.3 fails a resumed try that is already running when that report
     arrives (apache/airflow#72716; the retry then adopts the VM). The later reads only decide how
     long a freed machine stays idle (a backfill's runs wait for each other's machines).
@@ -293,6 +293,7 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
             gcp_conn_id=self.gcp_conn_id,
             poll_interval=self.capacity_poll_seconds,
             impersonation_chain=self.impersonation_chain,
+            first_read_after=self.capacity_first_read_seconds,
         )
         self.defer(trigger=trigger, method_name="resume_after_queue")
 
