@@ -86,10 +86,11 @@ class CreateVmOperator(ComputeEngineInsertInstanceOperator):
     instance still PENDING waits for the same request.
 
     The trigger first reads the reservation (or the queued VM) `capacity_first_read_seconds` after
-    the deferral, then every `capacity_poll_seconds`. Keep the first well above the time the executor takes to report
-    a deferred try's exit: Airflow 3.3 fails a resumed try that is already running when that report
-    arrives (apache/airflow#72716; the retry then adopts the VM). The later reads only decide how
-    long a freed machine stays idle (a backfill's runs wait for each other's machines).
+    the deferral, then every `capacity_poll_seconds`. Keep the first well above the time the
+    executor takes to report a deferred try's exit: Airflow 3.3 fails a resumed try that is already
+    running when that report arrives (apache/airflow#72716; the retry then adopts the VM). The later
+    reads only decide how long a freed machine stays idle (a backfill's runs wait for each other's
+    machines).
     """
 
     template_fields: Sequence[str] = (
