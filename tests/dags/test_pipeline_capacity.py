@@ -74,7 +74,8 @@ def test_flex_start_and_spot_runs_wait_deferred_resume_after_preemptions_and_lea
     # after its insert, not sooner: a trigger event that comes before the executor's report of the
     # deferral (apache/airflow#72716) has the scheduler fail the try that was already resuming, and
     # the retry makes a new request. A loaded suite saw the report 8 s after the deferral, behind an
-    # expiry at 6 s (2026-12-07). A real request lasts 90 s at least.
+    # expiry at 6 s (2026-12-07), before the trigger's first read waited capacity_first_read_seconds
+    # (10 s in the tests' Airflow). A real request lasts 90 s at least.
     expiring_prefix = "flex-expiring"
     local_cloud.set_faults({"flex_start_wait": [
         {"seconds": 20, "name_regex": "^maxtext-sft-"},

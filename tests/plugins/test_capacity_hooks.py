@@ -74,16 +74,22 @@ def test_a_reservation_run_never_asks_whether_it_was_preempted(hook, local_cloud
     assert not [r for r in local_cloud.requests() if "/operations" in r["path"]]
 
 
-def queued_event(spec, operation: str | None) -> dict:
-    trigger = QueuedInsertTrigger(
+def queued_trigger(spec, operation: str | None, poll_interval: float = 0.5, **options) -> QueuedInsertTrigger:
+    return QueuedInsertTrigger(
         project_id=spec.project_id, zone=spec.zone, resource_id=spec.vm_name, deadline=time.time() + 120,
-        operation=operation, gcp_conn_id=CONNECTIONS["gcp_conn_id"], poll_interval=0.5,
+        operation=operation, gcp_conn_id=CONNECTIONS["gcp_conn_id"], poll_interval=poll_interval, **options,
     )
 
-    async def first_event():
+
+def first_event(trigger: QueuedInsertTrigger) -> dict:
+    async def first():
         return (await anext(trigger.run())).payload
 
-    return asyncio.run(first_event())
+    return asyncio.run(first())
+
+
+def queued_event(spec, operation: str | None) -> dict:
+    return first_event(queued_trigger(spec, operation))
 
 
 def test_a_queued_flex_start_request_is_waited_for_until_its_vm_runs(hook, local_cloud):
@@ -113,17 +119,9 @@ def test_the_first_read_of_a_queued_vm_waits_out_the_deferrals_report(hook, loca
         operation = hook.start_insert_instance(body=spec.instance_body(), **where)
         local_cloud.clear_requests()
         started = time.time()
-        trigger = QueuedInsertTrigger(
-            project_id=spec.project_id, zone=spec.zone, resource_id=spec.vm_name, deadline=started + 120,
-            operation=operation, gcp_conn_id=CONNECTIONS["gcp_conn_id"], poll_interval=poll_interval,
-            first_read_after=first_read_after,
-        )
+        trigger = queued_trigger(spec, operation, poll_interval=poll_interval, first_read_after=first_read_after)
         assert trigger.serialize()[1]["first_read_after"] == first_read_after  # kept across a triggerer restart
-
-        async def first_event():
-            return (await anext(trigger.run())).payload
-
-        event = asyncio.run(first_event())
+        event = first_event(trigger)
         reads = [datetime.fromisoformat(r["time"]).timestamp() for r in local_cloud.requests()
                  if r["method"] == "GET" and r["path"].endswith(f"/instances/{spec.vm_name}")]
     finally:
