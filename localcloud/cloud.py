@@ -306,13 +306,27 @@ class LocalCloud:
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/sshd", {"paused": paused})
 
     def add_reservation(
-        self, name: str, count: int, machine_type: str = "ct6e-standard-8t", *, zone: str, project: str
+        self, name: str, count: int, machine_type: str = "ct6e-standard-8t", *, zone: str, project: str,
+        shared_with: tuple[str, ...] = (),
     ) -> dict:
         """Create reservation `name` of `count` VMs of `machine_type` in `project`/`zone` (or change
-        an existing one's count and machine type); returns it as reservations.get does. Inserts
-        naming a reservation that does not exist there are refused, as on Compute Engine."""
-        body = {"project": project, "zone": zone, "name": name, "count": count, "machine_type": machine_type}
+        an existing one's count, machine type and sharing), shared with the projects `shared_with`;
+        returns it as reservations.get does. Inserts naming a reservation that does not exist there,
+        or one of another project not shared with theirs, are refused, as on Compute Engine."""
+        body = {"project": project, "zone": zone, "name": name, "count": count, "machine_type": machine_type,
+                **({"shared_with": list(shared_with)} if shared_with else {})}
         return self._control("POST", "reservations", body)
+
+    def add_network(self, name: str, *, project: str, auto: bool = False, subnetworks: dict[str, str] | None = None,
+                    region: str = "us-east5") -> dict:
+        """Create (or replace) VPC network `name` in `project`: custom mode unless `auto`, with
+        `subnetworks` ({name: ip_cidr_range}) in `region`; returns it as networks.get does. An
+        insert on a custom-mode network without a subnetwork is refused, as on Compute Engine."""
+        body = {
+            "project": project, "name": name, "auto": auto,
+            "subnetworks": [{"region": region, "name": n, "ip_cidr_range": r} for n, r in (subnetworks or {}).items()],
+        }
+        return self._control("POST", "networks", body)
 
     def set_project_metadata(self, project: str, items: dict[str, str | None]) -> dict:
         """Set (or, with None, remove) project-wide metadata items of `project` through the

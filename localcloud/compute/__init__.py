@@ -13,6 +13,7 @@ modules below it in this list:
   - instances: instances through the API (insert, get, list, delete, stop)
   - scheduling: a new instance's time limit and host maintenance, checked
   - reservations: reservations and what an instance consumes of one
+  - networks: VPC networks and subnetworks, and the network an instance's interface joins
   - operations: zonal, regional and global operations (the base of every family)
   - core: the one lock and the settings every family shares
 - faults: the faults tests switch on

@@ -39,6 +39,7 @@ from .images import ImageResources
 from .instances import InstanceResources
 from .lifecycle import InstanceLifecycle
 from .projects import ProjectResources
+from .networks import NetworkResources
 from .reservations import ReservationResources
 
 
@@ -48,6 +49,7 @@ class ComputeEmulator(
     InstanceLifecycle,
     GuestAgent,
     ReservationResources,
+    NetworkResources,
     ImageResources,
     SliceResources,
 ):

@@ -28,7 +28,7 @@ from .operations import Operations
 from .reservations import ReservationRefused
 from .resources import (
     Link, Request, aggregated_list, check_labels, check_metadata, new_fingerprint, new_id, now_rfc3339, parse_rfc3339,
-    query_arg, region_of, relative_url, stored_metadata, validated_body, zonal_list,
+    query_arg, relative_url, stored_metadata, validated_body, zonal_list,
 )
 from .scheduling import (
     FLEX_START_MIN_PENDING_SECONDS, check_capacity_model, check_host_maintenance, check_reservation_bound,
@@ -254,14 +254,7 @@ class InstanceResources(Operations):
             body.get("scheduling") or {}, resource["scheduling"], body.get("reservationAffinity") or {}, body
         )
         for i, nic in enumerate(resource["networkInterfaces"]):
-            network = relative_url(nic.get("network") or "global/networks/default")
-            if not network.startswith("projects/"):
-                network = f"projects/{project}/{network}"
-            net_name = network.rsplit("/", 1)[1]
-            subnet = nic.get("subnetwork")
-            subnet_path = relative_url(subnet) if subnet else f"regions/{region_of(zone)}/subnetworks/{net_name}"
-            if not subnet_path.startswith("projects/"):
-                subnet_path = f"projects/{project}/{subnet_path}"
+            network, subnet_path = self.nic_network(project, zone, i, nic)  # refused as the API does (networks.py)
             nic.update(
                 kind="compute#networkInterface",
                 name=f"nic{i}",

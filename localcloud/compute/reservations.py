@@ -34,6 +34,7 @@ class Reservation:
     name: str
     count: int
     machine_type: str  # a name, as the reservation's instanceProperties.machineType holds it
+    shared_with: tuple[str, ...] = ()  # consumer projects besides its own (SPECIFIC_PROJECTS)
     id: str = dataclasses.field(default_factory=new_id)
     creation_timestamp: str = dataclasses.field(default_factory=now_rfc3339)
 
@@ -93,6 +94,12 @@ class ReservationResources(Operations):
         reservation = self.reservations.get(key) if key else None
         if reservation is None:
             raise ReservationRefused("reservation_not_found")
+        if project != reservation.project and project not in reservation.shared_with:
+            # Only the owner project and the projects it is shared with may consume it (Google's
+            # "Create a shared reservation"). How the API words the refusal was not found in a
+            # public capture; the project cannot see the reservation, so it is answered as one
+            # that does not exist (CA's isReservationNotFound shape, error_catalog.py).
+            raise ReservationRefused("reservation_not_found")
         if resource["machineType"].path.rsplit("/", 1)[1] != reservation.machine_type:
             raise ReservationRefused("reservation_incompatible")
         if self.reservation_in_use(reservation) >= reservation.count:
@@ -111,7 +118,16 @@ class ReservationResources(Operations):
             "selfLink": Link(reservation.path),
             "status": "READY",
             "specificReservationRequired": True,
-            "shareSettings": {"shareType": "LOCAL"},
+            # ShareSettings (v1 discovery document): LOCAL, or SPECIFIC_PROJECTS with a projectMap
+            # of ShareSettingsProjectConfig keyed by project id.
+            "shareSettings": (
+                {
+                    "shareType": "SPECIFIC_PROJECTS",
+                    "projectMap": {p: {"projectId": p} for p in reservation.shared_with},
+                }
+                if reservation.shared_with
+                else {"shareType": "LOCAL"}
+            ),
             "specificReservation": {
                 "count": str(reservation.count),
                 "inUseCount": str(self.reservation_in_use(reservation)),
@@ -142,8 +158,15 @@ class ReservationResources(Operations):
     def set_reservation(self, settings: object) -> dict:
         """Create a reservation, or change the count and machine type of an existing one (the
         control call; Compute Engine's own insert and resize are not emulated)."""
-        expected = "Expected {\"project\", \"zone\", \"name\", \"count\": N >= 1, \"machine_type\"}."
-        if not isinstance(settings, dict) or set(settings) != {"project", "zone", "name", "count", "machine_type"}:
+        expected = (
+            "Expected {\"project\", \"zone\", \"name\", \"count\": N >= 1, \"machine_type\", "
+            "\"shared_with\"?: [project, ...]}."
+        )
+        required = {"project", "zone", "name", "count", "machine_type"}
+        if not isinstance(settings, dict) or not required <= set(settings) <= required | {"shared_with"}:
+            raise errors.invalid(expected)
+        shared_with = settings.get("shared_with") or []
+        if not isinstance(shared_with, list) or not all(isinstance(p, str) and p for p in shared_with):
             raise errors.invalid(expected)
         project, zone, name = settings["project"], settings["zone"], settings["name"]
         count, machine_type = settings["count"], settings["machine_type"]
@@ -158,8 +181,9 @@ class ReservationResources(Operations):
         with self.lock:
             reservation = self.reservations.get((project, zone, name))
             if reservation is None:
-                reservation = Reservation(project, zone, name, count, machine_type)
+                reservation = Reservation(project, zone, name, count, machine_type, tuple(shared_with))
                 self.reservations[reservation.key] = reservation
             else:
                 reservation.count, reservation.machine_type = count, machine_type
+                reservation.shared_with = tuple(shared_with)
             return self._reservation_resource(reservation)

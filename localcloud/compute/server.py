@@ -57,6 +57,8 @@ ROUTES = [
         r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/reservations/(?P<reservation>[^/]+)",
         "get_reservation",
     ),
+    ("GET", r"projects/(?P<project>[^/]+)/global/networks/(?P<network>[^/]+)", "get_network"),
+    ("GET", r"projects/(?P<project>[^/]+)/regions/(?P<region>[^/]+)/subnetworks/(?P<subnetwork>[^/]+)", "get_subnetwork"),
     ("GET", r"projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/operations", "list_operations"),
     ("GET", r"projects/(?P<project>[^/]+)/aggregated/operations", "aggregated_list_operations"),
     ("GET", r"projects/(?P<project>[^/]+)/global/operations", "list_global_operations"),
@@ -154,6 +156,9 @@ class ControlApi:
         if what == "reservations" and method == "POST":
             # {"project", "zone", "name", "count", "machine_type"}: create or change a reservation.
             return 200, emulator.set_reservation(body)
+        if what == "networks" and method == "POST":
+            # {"project", "name", "auto", "subnetworks"?: [{"region", "name", "ip_cidr_range"}]}.
+            return 200, emulator.set_network(body)
         if what == "first-boot" and method == "POST":
             # {"cloud_init_seconds": S, "dpkg_lock_seconds": S}: what the next VMs' boots go through.
             return 200, emulator.set_first_boot(body)

@@ -49,6 +49,27 @@ CASES = [
         cause="has no free capacity: 1 of 1 machines in use",
     ),
     Case("reservation of another machine type", {"reservation": "preflight-v5e"}, cause="holds ct5lp-hightpu-8t machines"),
+    Case(
+        "reservation of another project not shared with the run's",
+        {"reservation": "projects/preflight-owner/reservations/preflight-private"},
+        cause="reservation preflight-private in preflight-owner/us-east5-b is not shared with project local-project",
+    ),
+    Case(
+        "custom-mode network without a subnetwork",
+        {"network": "preflight-vpc"},
+        cause="network preflight-vpc in project local-project is a custom-mode network: name one of its subnetworks",
+    ),
+    Case(
+        "subnetwork missing",
+        {"network": "preflight-vpc", "subnetwork": "no-such-subnet"},
+        cause="subnetwork no-such-subnet does not exist in us-east5 of project local-project",
+    ),
+    Case(
+        "subnetwork of another network",
+        {"network": "preflight-vpc", "subnetwork": "default"},
+        cause="subnetwork default in us-east5 belongs to network default, not preflight-vpc",
+    ),
+    Case("network missing", {"network": "no-such-vpc"}, cause="network no-such-vpc in project local-project does not exist"),
     Case("output location not writable", {"output_location": "gs://no-such-bucket/runs"}, cause="is not writable"),
     Case(
         "no room for a real gemma3-4b on the boot disk and in /dev/shm",
@@ -60,12 +81,15 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def reservations(local_cloud, pipeline_connections):
-    """A reservation whose one machine is taken, and one of another machine type."""
+    """A reservation whose one machine is taken, one of another machine type, and a custom-mode
+    network (its one subnetwork in us-east5), and another project's reservation shared with none."""
     from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     where = {"zone": ZONE, "project": LOCAL_PROJECT}
     local_cloud.add_reservation("preflight-full", 1, **where)
     local_cloud.add_reservation("preflight-v5e", 4, machine_type="ct5lp-hightpu-8t", **where)
+    local_cloud.add_reservation("preflight-private", 1, zone=ZONE, project="preflight-owner")  # shared with none
+    local_cloud.add_network("preflight-vpc", project=LOCAL_PROJECT, subnetworks={"preflight-subnet": "10.30.0.0/24"})
     compute = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
     where = {"zone": ZONE, "project_id": LOCAL_PROJECT}
     body = {

@@ -38,6 +38,9 @@ REFUSALS = [
             conf={"ssh_ready_timeout_seconds": 15}, cloud={"ssh_refused": {"seconds": 3600}}),
     Refusal("bucket not writable by the VM's service account", "check_vm_access",
             "does not have storage.objects.create access", "bucket from the VM"),
+    Refusal("shared reservation not shared with the run's project", "preflight",
+            f"reservation rehearsal-private in rehearsal-owner/us-east5-b is not shared with project {LOCAL_PROJECT}",
+            "token and inputs (worker)", conf={"reservation": "projects/rehearsal-owner/reservations/rehearsal-private"}),
     Refusal("gated model refused to the token", "preflight",
             f"has no access to the gated model {LOCAL_HUB_MODEL}", "token and inputs (worker)"),
 ]
@@ -64,6 +67,9 @@ def refusal_injected(request, local_cloud, pipeline_connections, monkeypatch):
         local_cloud.set_project_metadata(LOCAL_PROJECT, {"enable-oslogin": "TRUE"})
     if refusal.name.startswith("bucket"):
         local_cloud.deny_vm_writes(LOCAL_BUCKET)
+    if refusal.name.startswith("shared reservation"):
+        # Another project's reservation, shared with no other project.
+        local_cloud.add_reservation("rehearsal-private", 1, zone="us-east5-b", project="rehearsal-owner")
     if refusal.name.startswith("gated"):
         # A token of an account whose access request to the gated model was never accepted.
         token = new_hf_token()

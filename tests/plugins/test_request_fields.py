@@ -52,7 +52,7 @@ def test_every_field_beyond_gclouds_capture_is_listed_in_the_doc_and_nothing_els
     captured = gcloud_bodies()
     captured["rehearsal"] = captured["reservation"]  # the tutorial's request, made an on-demand CPU VM
     extra: dict[str, set[str]] = {}
-    for variant in ({}, {"os_login": True}):
+    for variant in ({}, {"os_login": True}, {"subnetwork": "tpu-subnet", "network_project": "vpc-host"}):
         for kind, body in sent_bodies(**variant).items():
             extra.setdefault(kind, set()).update(field_paths(body) - field_paths(captured[kind]))
     assert documented_fields() == extra

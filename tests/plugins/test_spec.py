@@ -181,6 +181,11 @@ def test_extra_args_keep_values_as_data():
     [
         ("zone", "us east"),
         ("reservation", "Bad_Reservation"),
+        ("reservation", "projects/owner-project/reservations/"),
+        ("reservation", "projects/owner-project/reservations/r;id"),
+        ("reservation", "owner-project/reservations/r"),
+        ("subnetwork", "Team_Subnet"),
+        ("network_project", "-host"),
         ("machine_type", "n2-standard-8"),
         ("steps", 0),
         ("steps", "1000"),
@@ -333,3 +338,16 @@ def test_a_dataset_in_a_bucket_names_the_runs_date_and_is_read_as_parquet_files(
             make_spec(dataset_name=bad)
     with pytest.raises(SpecError, match="only a Hub dataset has revisions"):
         make_spec(dataset_name="gs://team-data/chats", dataset_revision="abc")
+
+
+def test_a_shared_reservation_and_a_shared_vpc_are_named_in_their_owner_projects():
+    spec = make_spec(reservation="projects/owner-project/reservations/team-v6e", subnetwork="team-tpu",
+                     network="team-vpc", network_project="vpc-host")
+    body = spec.instance_body()
+    assert body["reservation_affinity"]["values"] == ["projects/owner-project/reservations/team-v6e"]
+    [nic] = body["network_interfaces"]
+    assert nic["network"] == "projects/vpc-host/global/networks/team-vpc"
+    assert nic["subnetwork"] == "projects/vpc-host/regions/us-east5/subnetworks/team-tpu"
+    # Without a host project and a subnetwork: the run's project's network, no subnetwork (the tutorial's).
+    [nic] = make_spec().instance_body()["network_interfaces"]
+    assert nic["network"].startswith(f"projects/{make_spec().project_id}/") and "subnetwork" not in nic

@@ -32,6 +32,13 @@ API_PATH = "compute/v1/"
 HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
 
 
+def reservation_owner(reservation: str, project_id: str) -> tuple[str, str]:
+    """(owner project, name) of a reservation Param: a bare name is the run's project's; the path
+    projects/OWNER/reservations/NAME (what a shared reservation is consumed by) names its owner."""
+    owner, sep, name = reservation.removeprefix("projects/").partition("/reservations/")
+    return (owner, name) if reservation.startswith("projects/") and sep else (project_id, reservation)
+
+
 def reservation_counts(reservation: dict) -> tuple[int, int]:
     """(count, inUseCount) of a specific reservation resource (REST JSON)."""
     specific = reservation.get("specificReservation") or {}
@@ -183,8 +190,21 @@ class ComputeEngineEndpointHook(ComputeEngineHook):
         return None if value is None else value.strip().upper() == "TRUE"
 
     def get_reservation(self, name: str, zone: str, project_id: str) -> dict | None:
-        """The reservation resource (REST JSON), or None if the zone has none of that name."""
-        return self._unless_missing(self.get_conn().reservations().get(project=project_id, zone=zone, reservation=name))
+        """The reservation resource (REST JSON), or None if the zone has none of that name. `name` is a
+        reservation of `project_id`, or projects/OWNER/reservations/NAME: a shared one, read in the
+        project that owns it (where it lives: a consumer project lists none of them)."""
+        owner, bare = reservation_owner(name, project_id)
+        return self._unless_missing(self.get_conn().reservations().get(project=owner, zone=zone, reservation=bare))
+
+    def get_network(self, name: str, project_id: str) -> dict | None:
+        """The VPC network resource (REST JSON), or None if the project has none of that name."""
+        return self._unless_missing(self.get_conn().networks().get(project=project_id, network=name))
+
+    def get_subnetwork(self, name: str, region: str, project_id: str) -> dict | None:
+        """The subnetwork resource (REST JSON), or None if the region has none of that name."""
+        return self._unless_missing(
+            self.get_conn().subnetworks().get(project=project_id, region=region, subnetwork=name)
+        )
 
     def reservation_capacity(self, name: str, zone: str, project_id: str) -> tuple[int, int] | None:
         """(count, inUseCount) of a specific reservation, or None if the zone has none of that name.

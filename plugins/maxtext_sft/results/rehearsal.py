@@ -27,7 +27,8 @@ class Check:
 
 CHECKS: tuple[Check, ...] = (
     Check("token and inputs (worker)", "the token reads the base model and the dataset snapshot; the "
-          "reservation exists and holds machine_type (read only); output_location is writable", ("plan_run", "preflight")),
+          "reservation exists (in its owner project, shared with this one) and holds machine_type (read only); "
+          "the network takes the VM; output_location is writable", ("plan_run", "preflight")),
     Check("compute insert", "the Compute API accepts this project's insert (IAM, quota, policy)", ("create_vm",)),
     Check("ssh", "SSH as the run logs in (metadata keys, OS Login or IAP), host key verified", ("wait_for_ssh",)),
     Check("bucket from the VM", "the VM's service account writes, reads and deletes in output_location",

@@ -38,6 +38,10 @@ BAKE_PARAMS: tuple[Declared, ...] = (
     ),
     _RUN["zone"].but(description="The zone the bake's VM is created in, e.g. us-east5-b."),
     _RUN["network"].but(description="The VPC network the bake's VM joins; 'default' is the project's default network."),
+    _RUN["subnetwork"].but(
+        description="The subnetwork the bake's VM joins, in the zone's region: required on a custom-mode network."
+    ),
+    _RUN["network_project"],
     _RUN["network_tag"].but(description="The tag the firewall rule that lets SSH in names (the pipeline's VMs' tag)."),
     _RUN["use_internal_ip"].but(
         description="Connect to the VM's internal IP (Airflow's workers run inside the VPC network); the VM "
@@ -191,6 +195,8 @@ def build_bake_spec(
         "project_id": p["project_id"],
         "zone": p["zone"],
         "network": p["network"],
+        "subnetwork": p["subnetwork"],
+        "network_project": p["network_project"],
         "network_tag": p["network_tag"],
         "use_internal_ip": p["use_internal_ip"],
         "image_project": p["source_image_project"],

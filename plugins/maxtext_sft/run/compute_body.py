@@ -25,6 +25,18 @@ class ComputeInstanceBody:
         """Whether the VM gets an external IP: only when the workers SSH to it over one."""
         return not (self.use_internal_ip or self.ssh_via_iap)
 
+    @property
+    def network_host(self) -> str:
+        """The project that owns the VM's network: a Shared VPC's host project, or the run's."""
+        return self.network_project or self.project_id
+
+    @property
+    def subnetwork_path(self) -> str | None:
+        """The subnetwork's partial URL, in the zone's region; None when the run names none."""
+        if not self.subnetwork:
+            return None
+        return f"projects/{self.network_host}/regions/{self.region}/subnetworks/{self.subnetwork}"
+
     def instance_body(self) -> dict[str, Any]:
         """The insert request body: the tutorial's gcloud request, with the differences commented.
 
@@ -61,7 +73,10 @@ class ComputeInstanceBody:
                         if self.external_address
                         else {}
                     ),
-                    "network": f"projects/{project}/global/networks/{self.network}",
+                    "network": f"projects/{self.network_host}/global/networks/{self.network}",
+                    # A custom-mode network needs one (the API refuses the insert without); gcloud's
+                    # --subnet sends it so, in the host project of a Shared VPC.
+                    **({"subnetwork": self.subnetwork_path} if self.subnetwork else {}),
                 }
             ],
             "reservation_affinity": self._reservation_affinity(),

@@ -25,6 +25,9 @@ from maxtext_sft.run.catalog import BASE_MODELS, TPU_SLICES, TPU_TOPOLOGIES
 GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 GCE_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$|^[a-z][-a-z0-9.:]{0,61}[a-z0-9]$")
+# A reservation by name (the run's project's) or by the path a shared one is consumed by.
+RESERVATION = re.compile(r"^(projects/(" + PROJECT_ID.pattern.replace("^", "").replace("$", "") + r")/reservations/)?"
+                         + GCE_NAME.pattern.lstrip("^"))
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 # A dataset: a Hub id, a folder on the VM in the Hub dataset's layout (staged by an image or disk),
 # or a folder in a bucket in that layout, which may name the run's date: {{ ds }} or {{ ds_nodash }}
@@ -127,11 +130,20 @@ PARAMS: tuple[Declared, ...] = (
              "location). on-demand: the list price, never taken back.", CLOUD, title="TPU capacity",
              choices=CAPACITIES, what="a capacity type"),
     Declared("reservation", "string", None,
-             "With TPU capacity 'reservation' (required then): the name of the capacity reservation the TPU VM "
-             "runs on, in the zone above. Empty for the other capacity types.", CLOUD, title="TPU reservation",
-             nullable=True, pattern=GCE_NAME, what="a reservation name"),
+             "With TPU capacity 'reservation' (required then): the capacity reservation the TPU VM runs on, in "
+             "the zone above: its name, or projects/OWNER/reservations/NAME for one another project shares with "
+             "this one. Empty for the other capacity types.", CLOUD, title="TPU reservation",
+             nullable=True, pattern=RESERVATION, what="a reservation name or projects/OWNER/reservations/NAME"),
     Declared("network", "string", "default", "The VPC network the VM joins; 'default' is the project's default network.",
              CLOUD, title="VPC network", pattern=GCE_NAME, what="a network name"),
+    Declared("subnetwork", "string", None,
+             "The subnetwork the VM joins, in the zone's region. Required on a custom-mode network (most company "
+             "VPCs, and every Shared VPC); empty on an auto-mode network such as 'default'.", CLOUD,
+             title="VPC subnetwork", nullable=True, pattern=GCE_NAME, what="a subnetwork name"),
+    Declared("network_project", "string", None,
+             "The project that owns the network and subnetwork: a Shared VPC's host project. Empty: the project "
+             "the VM runs in.", CLOUD, title="Network host project",
+             nullable=True, pattern=PROJECT_ID, what="a Google Cloud project id"),
     Declared("network_tag", "string", "maxtext-sft",
              "A tag put on every VM of this pipeline, so that firewall rules (the one that lets SSH in) can "
              "name them.", CLOUD, title="Network tag", pattern=GCE_NAME, what="a network tag"),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException
-from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, reservation_counts
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook, reservation_counts, reservation_owner
 from maxtext_sft.cloud.hub import HuggingFaceHubHook
 from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.run.paths import local_output_dir
@@ -128,11 +128,29 @@ def readable_commit(api: HfApi, kind: str, repo: str, revision: str | None, toke
 
 def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capacity_gate: bool = False) -> str:
     """The reservation exists and holds the run's machine type; with no machine free it fails,
-    unless `capacity_gate` (create_vm waits for one, up to max_capacity_wait_minutes)."""
-    reservation = compute.get_reservation(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
-    where = f"reservation {spec.reservation} in {spec.project_id}/{spec.zone}"
+    unless `capacity_gate` (create_vm waits for one, up to max_capacity_wait_minutes). A shared
+    reservation (projects/OWNER/reservations/NAME) is read in its owner project and must be shared
+    with the run's project: the capacity gate reads it there too, so reading it is required."""
+    from googleapiclient.errors import HttpError  # imported when used: DAG files stay cheap to parse
+
+    owner, name = reservation_owner(spec.reservation, spec.project_id)
+    where = f"reservation {name} in {owner}/{spec.zone}"
+    try:
+        reservation = compute.get_reservation(name=spec.reservation, zone=spec.zone, project_id=spec.project_id)
+    except HttpError as error:
+        if error.resp.status != 403:
+            raise
+        raise PreflightFailed(
+            f"{where} cannot be read by the Google connection: grant it compute.reservations.get in {owner} "
+            "(the capacity gate reads the reservation before each VM)"
+        ) from None
     if reservation is None:
         raise PreflightFailed(f"{where} does not exist (Params reservation, zone, project_id)")
+    if owner != spec.project_id and not _shared_with(reservation, spec.project_id):
+        raise PreflightFailed(
+            f"{where} is not shared with project {spec.project_id}, where the VM runs (its owner adds the project "
+            "to the reservation's share settings)"
+        )
     specific = reservation.get("specificReservation") or {}
     machine_type = (specific.get("instanceProperties") or {}).get("machineType", "").rsplit("/", 1)[-1]
     if machine_type != spec.machine_type:
@@ -159,6 +177,61 @@ def check_reservation(compute: ComputeEngineEndpointHook, spec: RunSpec, *, capa
         also = f", the slice needs {needed}" if needed > 1 else ""
         raise PreflightFailed(f"{where} has no free capacity: {in_use} of {count} machines in use{also}")
     return f"{where}: {count - in_use} of {count} {machine_type} free"
+
+
+def check_network(compute: ComputeEngineEndpointHook, spec: RunSpec) -> str:
+    """The VM's network exists in its host project and the insert names what it needs: a
+    subnetwork of that network in the zone's region on a custom-mode network (the API refuses
+    the insert without one). A network the connection may not read (a Shared VPC's host project
+    often grants only compute.subnetworks.use) is not checked: the insert itself will tell."""
+    from googleapiclient.errors import HttpError  # imported when used: DAG files stay cheap to parse
+
+    host, region = spec.network_host, spec.region
+    where = f"network {spec.network} in project {host}"
+    try:
+        network = compute.get_network(name=spec.network, project_id=host)
+        subnetwork = (
+            compute.get_subnetwork(name=spec.subnetwork, region=region, project_id=host) if spec.subnetwork else None
+        )
+    except HttpError as error:
+        if error.resp.status == 403:
+            return f"{where}: not checked (the Google connection may not read it: compute.networks.get)"
+        raise
+    if network is None:
+        raise PreflightFailed(f"{where} does not exist (Params network, network_project)")
+    custom = network.get("autoCreateSubnetworks") is False
+    if not spec.subnetwork:
+        if custom:
+            raise PreflightFailed(
+                f"{where} is a custom-mode network: name one of its subnetworks in {region} (Param subnetwork; "
+                f"gcloud compute networks subnets list --network={spec.network} --project={host})"
+            )
+        return f"{where} (auto mode): the VM joins its subnetwork in {region}"
+    if subnetwork is None:
+        raise PreflightFailed(
+            f"subnetwork {spec.subnetwork} does not exist in {region} of project {host} (Params subnetwork, "
+            "network_project, zone)"
+        )
+    belongs_to = str(subnetwork.get("network", "")).rsplit("/networks/", 1)[-1]
+    if belongs_to != spec.network:
+        raise PreflightFailed(
+            f"subnetwork {spec.subnetwork} in {region} belongs to network {belongs_to}, not {spec.network} "
+            "(Params network, subnetwork)"
+        )
+    return f"{where}, subnetwork {spec.subnetwork} ({subnetwork.get('ipCidrRange', '?')}) in {region}"
+
+
+def _shared_with(reservation: dict, project_id: str) -> bool:
+    """Whether a reservation of another project may be consumed from `project_id`: shared with
+    specific projects, that one among them (ShareSettings, v1 discovery document). A share type this
+    cannot read (by folder, say) counts as shared: the insert itself will tell."""
+    settings = reservation.get("shareSettings") or {}
+    share_type = settings.get("shareType", "LOCAL")
+    if share_type == "LOCAL":
+        return False
+    if share_type == "SPECIFIC_PROJECTS":
+        return project_id in (settings.get("projectMap") or {})
+    return True
 
 
 def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
@@ -253,6 +326,7 @@ def run_preflight(
             if spec.capacity == "reservation"
             else []
         ),
+        ("network", lambda: check_network(ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
         ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
         ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
     ]
