@@ -70,8 +70,9 @@ def check_hub_access(api: HfApi, spec: RunSpec, whoami: Callable[[], dict]) -> s
 
 
 # Fine-grained permissions that let a token write a repo's files when given on the repo or on its
-# owner, and the one that lets it create a repo under its owner (the Hub's names for them, as its
-# token settings and whoami-v2 answer them).
+# owner, and the one that lets it create a repo under its owner: the Hub's names (its token
+# settings, whoami-v2's answers); that only repo.write creates is this package's reading, as the
+# Hub publishes no table of them (docs/toy-vs-real.md).
 HUB_CONTENT_WRITE = frozenset({"repo.write", "repo.content.write"})
 HUB_CREATE = frozenset({"repo.write"})
 
