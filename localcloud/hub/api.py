@@ -115,18 +115,21 @@ class HubApi:
         if repo is None or (repo.private and not caller.member_of(repo.namespace)):
             # Like the Hub: a private repo of someone else does not exist; anonymous gets 401.
             raise HubError(401 if caller.user is None else 404, "Repository not found", "RepoNotFound")
-        if write:
-            self._require_write(caller, repo.namespace, f"You don't have the rights to write to {repo.id}")
+        if write and not caller.may_write(repo.namespace, repo.id):
+            self._refuse(caller, f"You don't have the rights to write to {repo.id}: it takes a token with "
+                                 "write access to it")
         return repo
 
     @staticmethod
-    def _require_write(caller: Caller, namespace: str, message: str) -> None:
+    def _refuse(caller: Caller, message: str) -> None:
+        """A write the token may not make. The Hub answers 403 to a token that may not write (a
+        commit: huggingface/deep-rl-class#593, "403 Client Error: Forbidden for url: .../commit/main"
+        from upload_folder; a repo creation: huggingface/community-events#25 and
+        huggingface/autotrain-advanced#274, "403 ... /api/repos/create - You don't have the rights to
+        create a dataset under this namespace"), and 401 to no token at all."""
         if caller.user is None:
             raise HubError(401, "You must be authenticated to do this")
-        if caller.role != "write":
-            raise HubError(403, "Forbidden: you must use a write token to upload to a repository.")
-        if not caller.member_of(namespace):
-            raise HubError(403, message)
+        raise HubError(403, message)
 
     @staticmethod
     def _require_gate_passed(req: Request, repo: Repo) -> None:
@@ -150,17 +153,37 @@ class HubApi:
     # ----- account and repos ----------------------------------------------------------------
 
     def whoami(self, req: Request) -> Reply:
+        """What GET /api/whoami-v2 answers. Where each field comes from:
+        - the user's fields and orgs[] (type, id, name, fullname, email...): huggingface.js,
+          packages/hub/src/types/api/api-who-am-i.ts (ApiWhoAmIUser, ApiWhoAmIOrg);
+        - orgs[].roleInOrg (read, contributor, write, admin): the field huggingface_hub's
+          _oauth.py reads from the Hub's user info, the values the Hub docs' "Access control in
+          organizations";
+        - auth.type "access_token" and auth.accessToken {displayName, role}: api-who-am-i.ts
+          (ApiWhoAmIAuthInfo) and huggingface_hub's _login.py, which reads both; createdAt: seen in
+          whoami-v2 answers that public scripts quote (no client of Hugging Face's reads it);
+        - auth.accessToken.fineGrained {canReadGatedRepos, global, scoped: [{entity: {_id, type,
+          name}, permissions}]} for a token of role "fineGrained": the shape public clients of
+          whoami-v2 read (the Hub's OpenAPI schema, huggingface.co/.well-known/openapi.json,
+          describes it; it is not vendored here)."""
         caller = req.caller
         if caller.user is None:
             raise HubError(401, "Invalid credentials in Authorization header")
-        token = req.headers["Authorization"].removeprefix("Bearer ").strip()
+        token = self.accounts.data["tokens"][req.headers["Authorization"].removeprefix("Bearer ").strip()]
+        roles = dict(caller.org_roles)
+        access_token = {"displayName": f"localcloud-{caller.role}", "role": caller.role,
+                        "createdAt": token["createdAt"]}
+        if token.get("fineGrained") is not None:
+            fine = token["fineGrained"]
+            access_token["fineGrained"] = {**fine, "scoped": [
+                {"entity": {"_id": _fake_id(scope["entity"]["name"]), **scope["entity"]},
+                 "permissions": scope["permissions"]} for scope in fine["scoped"]]}
         return Reply(payload={
             "type": "user", "id": _fake_id(caller.user), "name": caller.user, "fullname": caller.user,
             "email": None, "emailVerified": False, "isPro": False, "canPay": False, "avatarUrl": "",
-            "orgs": [{"type": "org", "name": o, "fullname": o, "id": _fake_id(o)} for o in caller.orgs],
-            "auth": {"type": "access_token", "accessToken": {
-                "displayName": f"localcloud-{caller.role}", "role": caller.role,
-                "createdAt": self.accounts.data["tokens"][token]["createdAt"]}},
+            "orgs": [{"type": "org", "name": o, "fullname": o, "id": _fake_id(o), "roleInOrg": roles.get(o, "write")}
+                     for o in caller.orgs],
+            "auth": {"type": "access_token", "accessToken": access_token},
         })
 
     def create_repo(self, req: Request) -> Reply:
@@ -168,7 +191,8 @@ class HubApi:
         repo_type = body.get("type") or "model"
         caller = req.caller
         namespace = body.get("organization") or caller.user or ""
-        self._require_write(caller, namespace, f"You don't have the rights to create a {repo_type} under this namespace")
+        if not caller.may_create(namespace):
+            self._refuse(caller, f"You don't have the rights to create a {repo_type} under this namespace")
         if repo_type not in REPO_TYPES:
             raise HubError(400, f"Invalid repo type {repo_type!r} (the local hub has models and datasets)")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", body.get("name") or ""):

@@ -34,9 +34,10 @@ class ControlApi:
             if what == "requests" and req.method == "DELETE":
                 self.request_log.clear()
                 return Reply(payload={})
-            if what == "users" and req.method == "POST":  # {name, token, role, orgs}
+            if what == "users" and req.method == "POST":  # {name, token, role, orgs, org_roles, fine_grained}
                 body = req.json()
-                self.hub.accounts.add(body["name"], body["token"], body.get("role", "write"), body.get("orgs", []))
+                self.hub.accounts.add(body["name"], body["token"], body.get("role", "write"), body.get("orgs", []),
+                                      body.get("org_roles"), body.get("fine_grained"))
                 return Reply(payload={"name": body["name"]})
             if what == "repos" and req.method == "POST":
                 return Reply(payload=self.seed_repo(req.json()))

@@ -85,9 +85,19 @@ class HubEmulator:
     def clear_requests(self) -> None:
         self._control("DELETE", "requests")
 
-    def add_user(self, name: str, token: str, *, role: str = "write", orgs: tuple[str, ...] = ()) -> None:
-        """Create user `name` (or update its orgs) and give it `token` with `role` read or write."""
-        self._control("POST", "users", {"name": name, "token": token, "role": role, "orgs": list(orgs)})
+    def add_user(self, name: str, token: str, *, role: str = "write", orgs: tuple[str, ...] = (),
+                 org_roles: dict[str, str] | None = None, scoped: dict[str, list[str]] | None = None) -> None:
+        """Create user `name` (or update its orgs) and give it `token` with `role` read, write or
+        fineGrained. `org_roles`: {org: read, contributor, write (the default) or admin}. `scoped`:
+        a fineGrained token's permissions, {entity: [permission, ...]} where the entity is
+        "user:NAME", "org:NAME" or "model:OWNER/NAME"."""
+        body = {"name": name, "token": token, "role": role, "orgs": list(orgs), "org_roles": org_roles}
+        if scoped is not None:
+            body["fine_grained"] = {"scoped": [
+                {"entity": dict(zip(("type", "name"), entity.split(":", 1))), "permissions": permissions}
+                for entity, permissions in scoped.items()
+            ]}
+        self._control("POST", "users", body)
 
     def seed_repo(
         self,

@@ -47,14 +47,54 @@ class Reply:
     length: int = 0
 
 
+# A token's role, as whoami-v2's auth.accessToken.role names it: "read" and "write" are read by
+# huggingface_hub's own login (_login.py logs "Token is valid (permission: <role>)"); the Hub's
+# docs (hub docs, security-tokens: "User access tokens") name the third kind, fine-grained, whose
+# role is "fineGrained" with the token's permissions beside it (see HubApi.whoami).
+TOKEN_ROLES = ("read", "write", "fineGrained")
+# A member's role in an organization (hub docs, "Access control in organizations"): read is
+# read-only; contributor may create repos and write those it created (this emulator keeps no
+# repo's creator: it lets a contributor write all of them); write and admin write all.
+ORG_ROLES = ("read", "contributor", "write", "admin")
+# The fine-grained permissions that let a token write a repo's files, on the repo or its owner;
+# only "repo.write" on the owner lets it create repos there. The names are the Hub's (its token
+# settings page, and whoami-v2 answers of fine-grained tokens); which one creation needs is this
+# emulator's reading of them (the Hub documents no table of the two).
+CONTENT_WRITE = frozenset({"repo.write", "repo.content.write"})
+CREATE = frozenset({"repo.write"})
+
+
 @dataclass(frozen=True)
 class Caller:
     user: str | None = None  # None: anonymous
-    role: str | None = None  # "read" or "write"
+    role: str | None = None  # one of TOKEN_ROLES
     orgs: tuple[str, ...] = ()
+    org_roles: tuple[tuple[str, str], ...] = ()  # (org, one of ORG_ROLES)
+    scopes: tuple[tuple[str, str, frozenset], ...] = ()  # fine-grained: (entity type, name, permissions)
 
     def member_of(self, namespace: str) -> bool:
         return self.user is not None and (namespace == self.user or namespace in self.orgs)
+
+    def may_write(self, namespace: str, repo_id: str) -> bool:
+        """May this token write files of `repo_id`, owned by `namespace`?"""
+        return self._may(namespace, CONTENT_WRITE, repo_id)
+
+    def may_create(self, namespace: str) -> bool:
+        """May this token create a repo under `namespace`?"""
+        return self._may(namespace, CREATE, None)
+
+    def _may(self, namespace: str, needed: frozenset, repo_id: str | None) -> bool:
+        if not self.member_of(namespace) or dict(self.org_roles).get(namespace) == "read":
+            return False
+        if self.role == "write":
+            return True
+        if self.role != "fineGrained":
+            return False
+        granted = set()
+        for kind, name, permissions in self.scopes:
+            if (kind in ("user", "org") and name == namespace) or (repo_id is not None and name == repo_id):
+                granted |= permissions
+        return bool(granted & needed)
 
 
 class Request:

@@ -175,6 +175,61 @@ def test_publish_refuses_an_export_missing_a_shard(durable_run, export_without_a
     assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
 
 
+def tree(hub, repo: str) -> dict[str, tuple]:
+    """{path: (size, LFS sha256 or git blob id)} of every file on the repo's main branch."""
+    return {f.path: (f.size, f.lfs.sha256 if f.lfs else f.blob_id)
+            for f in hub.list_repo_tree(repo, recursive=True) if hasattr(f, "blob_id")}
+
+
+def test_publishing_holds_one_file_of_the_export_at_a_time_and_commits_what_upload_folder_did(
+    durable_run, hub, monkeypatch, tmp_path
+):
+    """The worker's scratch folder peaks at the largest file of the export, not at the whole
+    export, and the one commit holds the same files as upload_folder of the whole export."""
+    from maxtext_sft.cloud.export_files import export_folder
+    from maxtext_sft.cloud.storage import StorageEndpointHook
+
+    run, _ = durable_run
+    record = run.xcoms["collect_outputs.return_value"]
+    sizes = StorageEndpointHook(gcp_conn_id="google_cloud_default").sizes_under(record["hf_export"])
+    scratch_root = tmp_path / "worker-tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch_root))  # every scratch folder of the task lands here
+    peaks = []
+    real_download = StorageEndpointHook.download
+
+    def download_and_measure(self, bucket_name, object_name, filename=None, **kwargs):
+        result = real_download(self, bucket_name, object_name, filename=filename, **kwargs)
+        # Files reach the scratch folder only here: its size just after each download is its peak.
+        peaks.append(sum(f.stat().st_size for f in scratch_root.rglob("*") if f.is_file()))
+        return result
+
+    monkeypatch.setattr(StorageEndpointHook, "download", download_and_measure)
+    repo = f"{LOCAL_HUB_USER}/gemma-sft-one-at-a-time"
+    task = copy.copy(parse_pipeline_dag().get_task("publish_to_hub"))
+    task.spec = dict(run.xcoms["plan_run.spec"], hub_repo_id=repo)
+    task.record = record
+    result = task.execute(context={})
+    one_at_a_time = max(peaks)
+
+    # Before: the whole export downloaded to the worker, then upload_folder (into another repo).
+    peaks.clear()
+    folder = export_folder(record["hf_export"], scratch_root / "whole", gcp_conn_id="google_cloud_default")
+    whole = max(peaks)
+    hub.create_repo(f"{LOCAL_HUB_USER}/gemma-sft-whole-folder", private=True)
+    hub.upload_folder(repo_id=f"{LOCAL_HUB_USER}/gemma-sft-whole-folder", folder_path=folder, commit_message="whole")
+
+    print(f"export: {len(sizes)} files, {sum(sizes.values())} bytes, largest {max(sizes.values())}; peak scratch: "
+          f"{whole} bytes downloading it whole, {one_at_a_time} bytes one file at a time")
+    assert whole == sum(sizes.values())
+    assert one_at_a_time == max(sizes.values()) < sum(sizes.values()) / 2
+    commits = hub.list_repo_commits(repo)
+    assert len(commits) == 2 and run.run_id in commits[0].title and result["commit"] == commits[0].commit_id
+    assert tree(hub, repo) == tree(hub, f"{LOCAL_HUB_USER}/gemma-sft-whole-folder") == tree(hub, HUB_REPO)
+    assert set(tree(hub, repo)) == {".gitattributes", *sizes}
+    assert not list(scratch_root.glob("maxtext-sft-publish-*"))  # the scratch folder is gone
+
+
 def test_a_second_run_of_the_same_base_model_skips_conversion(durable_run, run_pipeline, local_cloud, bucket):
     first, _ = durable_run
     attempts_before = names(bucket, "sft/base-checkpoints/")

@@ -19,7 +19,8 @@ ZONE = "us-east5-b"
 class Case:
     name: str
     conf: dict = dataclasses.field(default_factory=dict)
-    token: str | None = None  # "invalid": unknown to the Hub; "no-licence": a user without the model's grant
+    token: str | None = None  # "invalid": unknown to the Hub; "no-licence": a user without the model's grant;
+    # "read-only": a read token of the team that holds the licence (it may read all but not publish)
     cause: str = ""
 
 
@@ -29,6 +30,16 @@ CASES = [
         "token without the gated model's licence",
         token="no-licence",
         cause="has no access to the gated model google/gemma-3-4b-it",
+    ),
+    Case(
+        "read-only token, with a repo to publish to",
+        {"hub_repo_id": f"{LOCAL_HUB_USER}/preflight-read-only"},
+        token="read-only",
+        cause=(
+            f"Hub publishing: Param hub_repo_id {LOCAL_HUB_USER}/preflight-read-only: the Hugging Face token "
+            f"(of {LOCAL_HUB_USER}) is read-only, so publish_to_hub would fail after the training. Put a token "
+            f"with write access to {LOCAL_HUB_USER} in the Hugging Face connection"
+        ),
     ),
     Case("model revision missing", {"model_revision": "no-such-revision"}, cause="has no revision 'no-such-revision'"),
     Case(
@@ -117,6 +128,8 @@ def test_preflight_stops_the_run_before_any_vm(case, reservations, run_pipeline,
         token = f"hf_preflight{secrets.token_hex(12)}"
         if case.token == "no-licence":
             local_cloud.hub.add_user(f"user-{token[-8:]}", token, role="read")
+        if case.token == "read-only":
+            local_cloud.hub.add_user(LOCAL_HUB_USER, token, role="read")
         connection = {"conn_type": "generic", "password": token, "extra": {"endpoint": local_cloud.hub.endpoint}}
         monkeypatch.setenv("AIRFLOW_CONN_HUGGINGFACE_DEFAULT", json.dumps(connection))
     fault_tally.fault_injected()

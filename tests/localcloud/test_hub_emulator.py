@@ -456,3 +456,73 @@ print(sorted(p.name for p in local.iterdir() if p.is_file()))
     assert out.stdout.strip() == "['.gitattributes', 'README.md', 'config.json', 'model.safetensors']"
     assert (tmp_path / "env-dl" / "model.safetensors").read_bytes() == (model_folder / "model.safetensors").read_bytes()
     assert api(hub).list_repo_commits("alice/from-env")[0].title == "from env"
+
+
+FINE_WRITE = "hf_carol_fine_grained_write"
+FINE_READ = "hf_carol_fine_grained_read"
+FINE_REPO = "hf_carol_fine_grained_one_repo"
+
+
+@pytest.fixture
+def fine_grained(hub):
+    """carol, a member of team-org: fine-grained tokens with write on her namespace and the org,
+    with read only, and with content write on one repo only."""
+    hub.add_user("carol", FINE_WRITE, role="fineGrained", orgs=("team-org",),
+                 scoped={"user:carol": ["repo.content.read", "repo.write"], "org:team-org": ["repo.write"]})
+    hub.add_user("carol", FINE_READ, role="fineGrained", orgs=("team-org",),
+                 scoped={"user:carol": ["repo.content.read"], "org:team-org": ["repo.content.read"]})
+    hub.add_user("carol", FINE_REPO, role="fineGrained", orgs=("team-org",),
+                 scoped={"model:carol/one": ["repo.content.read", "repo.content.write"]})
+    api(hub, FINE_WRITE).create_repo("carol/one")
+    return hub
+
+
+def test_whoami_of_a_fine_grained_token_names_its_permissions_and_the_orgs_role(fine_grained):
+    me = api(fine_grained, FINE_READ).whoami()
+    token = me["auth"]["accessToken"]
+    assert me["auth"]["type"] == "access_token" and token["role"] == "fineGrained"
+    assert [(s["entity"]["type"], s["entity"]["name"], s["permissions"]) for s in token["fineGrained"]["scoped"]] == [
+        ("user", "carol", ["repo.content.read"]), ("org", "team-org", ["repo.content.read"])]
+    assert all(len(s["entity"]["_id"]) == 24 for s in token["fineGrained"]["scoped"])
+    assert token["fineGrained"]["global"] == [] and token["fineGrained"]["canReadGatedRepos"] is True
+    assert [(o["name"], o["roleInOrg"]) for o in me["orgs"]] == [("team-org", "write")]
+    assert "fineGrained" not in api(fine_grained).whoami()["auth"]["accessToken"]  # a classic write token
+
+
+def test_a_fine_grained_token_without_write_is_refused_every_write(fine_grained, tmp_path):
+    reader = api(fine_grained, FINE_READ)
+    for write in (
+        lambda: reader.create_repo("carol/two"),
+        lambda: reader.create_repo("team-org/two"),
+        lambda: reader.upload_file(repo_id="carol/one", path_or_fileobj=b"x", path_in_repo="x.txt"),  # a commit
+        lambda: reader.preupload_lfs_files("carol/one", additions=[  # the LFS upload before a commit
+            CommitOperationAdd("w.safetensors", os.urandom(11 * 1024 * 1024))]),
+    ):
+        with pytest.raises(HfHubHTTPError) as refused:
+            write()
+        assert refused.value.response.status_code == 403
+        assert "You don't have the rights to" in str(refused.value)
+    assert [r["status"] for r in fine_grained.requests() if r["method"] == "POST"][-4:] == [403] * 4
+    assert reader.list_repo_files("carol/one") == [".gitattributes"]  # reading is fine
+
+
+def test_a_fine_grained_token_writes_where_its_scopes_say(fine_grained):
+    api(fine_grained, FINE_WRITE).create_repo("team-org/two")  # repo.write on the org: may create
+    one = api(fine_grained, FINE_REPO)
+    one.upload_file(repo_id="carol/one", path_or_fileobj=b"x", path_in_repo="x.txt")  # content write on it
+    with pytest.raises(HfHubHTTPError) as create:
+        one.create_repo("carol/three")  # but no repo.write on carol: no creation
+    assert create.value.response.status_code == 403
+    with pytest.raises(HfHubHTTPError) as other:
+        one.upload_file(repo_id="team-org/two", path_or_fileobj=b"x", path_in_repo="x.txt")
+    assert other.value.response.status_code == 403
+
+
+def test_a_read_member_of_an_org_cannot_write_there_even_with_a_write_token(hub):
+    hub.add_user("dave", "hf_dave_write", orgs=("team-org", "other-org"), org_roles={"team-org": "read"})
+    dave = api(hub, "hf_dave_write")
+    assert {o["name"]: o["roleInOrg"] for o in dave.whoami()["orgs"]} == {"team-org": "read", "other-org": "write"}
+    with pytest.raises(HfHubHTTPError) as refused:
+        dave.create_repo("team-org/model")
+    assert refused.value.response.status_code == 403
+    dave.create_repo("other-org/model")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from google.api_core.exceptions import NotFound
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from maxtext_sft.cloud.export_files import export_folder
+from maxtext_sft.cloud.export_files import ExportFiles
 from maxtext_sft.cloud.hub import HuggingFaceHubHook
 from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.vm.ssh_common import LoginRefused, RemoteCommandError
@@ -222,31 +222,57 @@ class PublishToHubOperator(RunTaskOperator):
         if reason := eval_gate(spec, self.record.get("eval_loss"), self._last_published_eval_loss(api, spec)):
             self.log.warning("Not publishing to %s@%s: %s", spec.hub_repo_id, spec.hub_branch, reason)
             return {"published": False, "reason": reason}
-        repo = api.create_repo(spec.hub_repo_id, repo_type="model", private=spec.hub_private, exist_ok=True)
-        self.log.info("Hub repo: %s", repo)
+        files = ExportFiles(self.record["hf_export"], gcp_conn_id=self.gcp_conn_id)
+        try:  # checked again: what is uploaded is what this task reads, not what collect_outputs saw
+            export = check_export_layout(files.sizes, files.read_text)
+        except ExportLayoutError as error:
+            raise AirflowFailException(
+                f"Not publishing to {spec.hub_repo_id}: the export at {self.record['hf_export']} is incomplete: {error}"
+            ) from None
+        # Created only when missing: huggingface_hub's create_repo(exist_ok=True) answers a token that
+        # may write the repo but not create repos there from a 403, and builds that answer's URL for
+        # huggingface.co only (a private Hub endpoint then fails).
+        if not api.repo_exists(spec.hub_repo_id, repo_type="model"):
+            self.log.info("Hub repo: %s", api.create_repo(spec.hub_repo_id, repo_type="model", private=spec.hub_private))
         if spec.hub_branch != "main":
             api.create_branch(spec.hub_repo_id, branch=spec.hub_branch, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="maxtext-sft-publish-") as scratch:
-            folder = export_folder(self.record["hf_export"], Path(scratch), gcp_conn_id=self.gcp_conn_id)
-            try:  # checked again: what is uploaded is what this task read, not what collect_outputs saw
-                export = check_export_folder(folder)
-            except ExportLayoutError as error:
-                raise AirflowFailException(
-                    f"Not publishing to {spec.hub_repo_id}: the export at {self.record['hf_export']} is incomplete: {error}"
-                ) from None
-            self.log.info("Publishing the %s export: %s", export.layout, list(export.weight_files))
-            info = api.upload_folder(
-                repo_id=spec.hub_repo_id,
-                folder_path=folder,
-                revision=spec.hub_branch,
-                commit_message=title,
-                commit_description=f"MaxText run {spec.run_name}: {self.record['final_step']} steps, final loss {loss}.",
-            )
+        self.log.info("Publishing the %s export: %s", export.layout, list(export.weight_files))
+        info = api.create_commit(
+            repo_id=spec.hub_repo_id,
+            operations=self._upload_one_at_a_time(api, spec, files),
+            revision=spec.hub_branch,
+            commit_message=title,
+            commit_description=f"MaxText run {spec.run_name}: {self.record['final_step']} steps, final loss {loss}.",
+        )
         self.log.info("Published %s to %s@%s: commit %s", spec.run_name, spec.hub_repo_id, spec.hub_branch, info.oid)
         return {
             "published": True, "reason": None,
             "repo_id": spec.hub_repo_id, "branch": spec.hub_branch, "commit": info.oid, "url": info.commit_url,
         }
+
+    def _upload_one_at_a_time(self, api, spec: RunSpec, files: ExportFiles) -> list:
+        """Each file of the export fetched to this worker and uploaded before the next is fetched,
+        so the worker needs room for the largest file, not the whole export (about 8 GB for
+        gemma3-4b). Returns the commit's operations: the Hub's large (LFS) files are uploaded
+        already and create_commit sends only their hash and size; the small ones it keeps in git
+        travel in the commit itself, so their bytes are kept here."""
+        from huggingface_hub import CommitOperationAdd  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
+        from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
+        operations = []
+        names = list(filter_repo_objects(sorted(files.sizes), ignore_patterns=DEFAULT_IGNORE_PATTERNS))  # as upload_folder
+        with tempfile.TemporaryDirectory(prefix="maxtext-sft-publish-") as scratch:
+            for name in names:
+                with files.local_file(name, Path(scratch)) as path:
+                    operation = CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+                    # free_memory (the default) empties an uploaded LFS file's content: the commit
+                    # reads none of it; what still names the file goes to git, in the commit.
+                    api.preupload_lfs_files(spec.hub_repo_id, additions=[operation], revision=spec.hub_branch)
+                    if isinstance(operation.path_or_fileobj, str):
+                        operation.path_or_fileobj = path.read_bytes()
+                operations.append(operation)
+                self.log.info("Uploaded %s (%d bytes)", name, files.sizes[name])
+        return operations
 
     def _published_by_this_run(self, api, spec: RunSpec, title: str) -> dict | None:
         """This DAG run's commit on the branch, if an earlier try published it."""

@@ -7,7 +7,9 @@ task (no retries) listing every failure, so one trigger shows every problem of a
 from __future__ import annotations
 
 import fnmatch
+import functools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +51,13 @@ def checkpoint_repo(spec: RunSpec) -> str | None:
     return spec.base_model_id
 
 
-def check_hub_access(api: HfApi, spec: RunSpec) -> str:
+def check_hub_access(api: HfApi, spec: RunSpec, whoami: Callable[[], dict]) -> str:
+    """The token is valid and may read the base checkpoint. `whoami`: the Hub's whoami-v2 answer
+    for the token (asked once a preflight: the Hub limits that endpoint strictly)."""
     from huggingface_hub.errors import HfHubHTTPError  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     try:
-        user = api.whoami()["name"]
+        user = whoami()["name"]
     except HfHubHTTPError as error:
         if error.response is not None and error.response.status_code == 401:
             raise InvalidToken("the Hugging Face token is invalid or expired (connection password)") from None
@@ -63,6 +67,57 @@ def check_hub_access(api: HfApi, spec: RunSpec) -> str:
         return f"token of {user}; the base checkpoint is a folder on the VM"
     readable_commit(api, "model", repo, spec.model_revision, f"the Hugging Face token ({user})")
     return f"token of {user} may read {repo}"
+
+
+# Fine-grained permissions that let a token write a repo's files when given on the repo or on its
+# owner, and the one that lets it create a repo under its owner: the Hub's names (its token
+# settings, whoami-v2's answers); that only repo.write creates is this package's reading, as the
+# Hub publishes no table of them (docs/toy-vs-real.md).
+HUB_CONTENT_WRITE = frozenset({"repo.write", "repo.content.write"})
+HUB_CREATE = frozenset({"repo.write"})
+
+
+def check_hub_write(api: HfApi, spec: RunSpec, whoami: Callable[[], dict]) -> str:
+    """The token may write to `hub_repo_id`, or create it when it does not exist yet, judged from
+    the Hub's answers alone (whoami-v2: the token's role, a fine-grained token's permissions, the
+    user's orgs and role in them; whether the repo exists): nothing is written. A run that fails
+    here would otherwise fail at publish_to_hub, after the TPU hours."""
+    repo = spec.hub_repo_id
+    owner = repo.split("/", 1)[0]
+    me = whoami()
+    user = me["name"]
+    token = (me.get("auth") or {}).get("accessToken") or {}
+    role = token.get("role")
+    exists = api.repo_exists(repo, repo_type="model")
+    action = "write to it" if exists else f"create it under {owner}"
+    where = f"Param hub_repo_id {repo}: the Hugging Face token (of {user})"
+    fix = (
+        f"publish_to_hub would fail after the training. Put a token with write access to {owner} in the "
+        "Hugging Face connection (password), or empty hub_repo_id to publish nothing"
+    )
+    org_roles = {org["name"]: org.get("roleInOrg") for org in me.get("orgs") or []}
+    if owner != user and owner not in org_roles:
+        raise PreflightFailed(f"{where} cannot {action}: {user} is not {owner} nor a member of it, so {fix}")
+    if org_roles.get(owner) == "read":
+        raise PreflightFailed(f"{where} cannot {action}: {user} has the read role in {owner}, so {fix}")
+    if role == "read":
+        raise PreflightFailed(f"{where} is read-only, so {fix}")
+    if role == "fineGrained":
+        granted = set()
+        for scope in (token.get("fineGrained") or {}).get("scoped") or []:
+            entity = scope.get("entity") or {}
+            if (entity.get("type") in ("user", "org") and entity.get("name") == owner) or entity.get("name") == repo:
+                granted.update(scope.get("permissions") or [])
+        needed = HUB_CONTENT_WRITE if exists else HUB_CREATE
+        if not granted & needed:
+            has = ", ".join(sorted(granted)) or "none"
+            raise PreflightFailed(
+                f"{where} is fine-grained without {' or '.join(sorted(needed))} on {owner if not exists else repo} "
+                f"(its permissions there: {has}), so it cannot {action}: {fix}"
+            )
+    elif role != "write":
+        return f"{repo}: not checked (token role {role!r}: neither read, write nor fine-grained)"
+    return f"token of {user} may {action}" if exists else f"{repo} does not exist yet; token of {user} may {action}"
 
 
 def check_dataset(api: HfApi, spec: RunSpec) -> str:
@@ -311,8 +366,11 @@ def run_preflight(
     `capacity_gate`: create_vm waits for a free machine, so a full reservation is not a failure.
     """
     api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
+    whoami = functools.cache(api.whoami)  # one whoami-v2 call, however many checks read it
     checks = [
-        ("Hugging Face token", lambda: check_hub_access(api, spec)),
+        ("Hugging Face token", lambda: check_hub_access(api, spec, whoami)),
+        # Only a run that publishes (publish_to_hub publishes nothing without hub_repo_id).
+        *([("Hub publishing", lambda: check_hub_write(api, spec, whoami))] if spec.hub_repo_id else []),
         ("dataset", lambda: check_dataset(api, spec)),
         ("eval split", lambda: check_eval_split(api, StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
         # Only a run on a reservation has one to read (capacity; a rehearsal reads the real run's).
@@ -333,7 +391,7 @@ def run_preflight(
     found, failures = [], []
     token_invalid = False
     for name, check in checks:
-        if token_invalid and name in ("dataset", "eval split"):
+        if token_invalid and name in ("Hub publishing", "dataset", "eval split"):
             failures.append(f"{name}: not checked (the Hugging Face token is invalid)")
             continue
         try:
