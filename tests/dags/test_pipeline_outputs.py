@@ -138,8 +138,7 @@ def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_sa
     assert [(fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]] == [
         ("hidden_activation", "gelu", "gelu_pytorch_tanh"), ("rope_theta", 10_000.0, 1_000_000.0)]
     assert record["export_config_corrections"][0]["source"] == "AI-Hypercomputer/maxtext#2867"
-    spec = run.xcoms["plan_run.spec"]
-    stored = json.loads(bucket.blob(f"sft/runs/{spec['run_name']}/run_record.json").download_as_text())
+    stored = json.loads(bucket.blob(record["run_record"].removeprefix(f"gs://{BUCKET}/")).download_as_text())
     assert stored["export_config_corrections"] == record["export_config_corrections"]
     card = Path(hub.hf_hub_download(HUB_REPO, "README.md")).read_text()
     assert "| config.json corrected | MaxText 0.2.2 exported `hidden_activation` 'gelu' -> 'gelu_pytorch_tanh' " \
