@@ -62,6 +62,41 @@ LOCAL_SLICE_CONF = {
 # the MaxText stand-in and the real image's toy do not download them).
 LOCAL_HUB_MODEL = "google/gemma-3-4b-it"  # gated, like the real one
 LOCAL_HUB_DATASET = "HuggingFaceH4/ultrachat_200k"
+# The base model's config.json, in the shape the Hub's google/gemma-3-4b-it has (written by a
+# transformers 4.x: rope_scaling, fields at Gemma3TextConfig's defaults left out). The values are
+# transformers' Gemma3Config defaults and MaxText 0.2.2's hf_model_configs.py gemma3_4b_config;
+# collect_outputs compares the export's config with it.
+LOCAL_HUB_MODEL_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+        "vocab_size": 262144,
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
 # VMs the local reservation holds: room for the runs and VMs a test session has at once.
 LOCAL_RESERVATION_COUNT = 8
 
@@ -73,7 +108,7 @@ def prepare_local_cloud(cloud, hf_token: str) -> None:
     cloud.add_reservation(LOCAL_RUN_CONF["reservation"], LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")
-    cloud.hub.seed_repo(LOCAL_HUB_MODEL, {"config.json": '{"model_type": "gemma3"}'}, gated=True)
+    cloud.hub.seed_repo(LOCAL_HUB_MODEL, {"config.json": json.dumps(LOCAL_HUB_MODEL_CONFIG, indent=2)}, gated=True)
     cloud.hub.grant(LOCAL_HUB_USER, LOCAL_HUB_MODEL)
     cloud.hub.seed_repo(
         LOCAL_HUB_DATASET,

@@ -127,6 +127,40 @@ def test_the_hub_repo_has_one_commit_with_the_export_and_the_card(durable_run, h
     assert hub.model_info(HUB_REPO).private is True
 
 
+def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_says_so(durable_run, hub, bucket):
+    # MaxText 0.2.2 exports gemma3-4b's text config with "gelu" (the stand-in too): collect_outputs
+    # corrected it in the bucket before publishing, and the card and the record name the fix.
+    run, _ = durable_run
+    config = json.loads(Path(hub.hf_hub_download(HUB_REPO, "config.json")).read_text())
+    assert config["text_config"]["hidden_activation"] == "gelu_pytorch_tanh"
+    assert config["text_config"]["rope_parameters"]["full_attention"]["rope_theta"] == 1_000_000.0
+    record = run.xcoms["collect_outputs.return_value"]
+    assert [(fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]] == [
+        ("hidden_activation", "gelu", "gelu_pytorch_tanh"), ("rope_theta", 10_000.0, 1_000_000.0)]
+    assert record["export_config_corrections"][0]["source"] == "AI-Hypercomputer/maxtext#2867"
+    stored = json.loads(bucket.blob(record["run_record"].removeprefix(f"gs://{BUCKET}/")).download_as_text())
+    assert stored["export_config_corrections"] == record["export_config_corrections"]
+    card = Path(hub.hf_hub_download(HUB_REPO, "README.md")).read_text()
+    assert "| config.json corrected | MaxText 0.2.2 exported `hidden_activation` 'gelu' -> 'gelu_pytorch_tanh' " \
+           "(AI-Hypercomputer/maxtext#2867);" in card
+
+
+def test_an_export_config_nobody_knows_is_wrong_fails_before_publishing(run_pipeline, hub, local_cloud):
+    before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
+    run = run_pipeline(
+        {"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 3},
+        maxtext_faults={"to_huggingface": {"config_text_fields": {"rms_norm_eps": 1e-5}}},
+    )
+    assert run.state == "failed"
+    assert run.task_states["collect_outputs"] == "failed"
+    assert run.task_states["publish_to_hub"] != "success"
+    assert run.task_states["delete_vm"] == "success"
+    assert "rms_norm_eps: the export has 1e-05, the base model's 1e-06" in run.log
+    assert run.try_numbers["collect_outputs"] == 1  # not retried: the export will not change
+    assert [c.commit_id for c in hub.list_repo_commits(HUB_REPO)] == before
+    assert local_cloud.vms() == []
+
+
 def test_running_the_publish_task_again_adds_no_commit(durable_run, hub):
     run, _ = durable_run
     before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]

@@ -4,6 +4,7 @@ the sample-generations DAG downstream of it loads the tuned model in the image's
 from __future__ import annotations
 
 import datetime
+import json
 import re
 from pathlib import Path
 
@@ -103,6 +104,14 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     hub = HfApi(endpoint=local_cloud.hub.endpoint, token=hf_token)
     hub_files = set(hub.list_repo_files(published["repo_id"], revision=published["commit"]))
     assert {"config.json", "model.safetensors.index.json", "README.md", *shards} <= hub_files
+    # MaxText 0.2.2 wrote the text config's activation as "gelu": collect_outputs compared the toy
+    # export with the local Hub's base config (the toy's widths as the run's arguments asked) and
+    # published the corrected one, saying so in the run record.
+    config = json.loads(Path(hub.hf_hub_download(published["repo_id"], "config.json", revision=published["commit"]))
+                        .read_text())
+    assert config["text_config"]["hidden_activation"] == "gelu_pytorch_tanh", config["text_config"]
+    assert ("hidden_activation", "gelu", "gelu_pytorch_tanh") in [
+        (fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]], record
     # The published card's model-index holds the tuned eval loss, as huggingface_hub parses it.
     card = ModelCard(Path(hub.hf_hub_download(published["repo_id"], "README.md", revision=published["commit"])).read_text())
     [result] = card.data.eval_results

@@ -20,7 +20,10 @@ silently. All keys are optional:
                                              #    "eval_loss_rises" (true) /
                                              #    "kill_host_at_step" ({"host": 2, "step": 3})
       "to_maxtext": {"fail": "message"},
-      "to_huggingface": {"fail": "message"}
+      "to_huggingface": {"fail": "message"},  # or "config_text_fields": {FIELD: VALUE}: the
+                                             #    export's config.json text_config gets these
+                                             #    values (a config MaxText got wrong in a way
+                                             #    nobody knows yet)
     }
 
 Not a fault: "to_huggingface": {"max_shard_size": BYTES} sets the export's shard threshold
@@ -118,7 +121,7 @@ _FAULT_KEYS = {
         "barrier",
     },
     "to_maxtext": {"fail", "barrier"},
-    "to_huggingface": {"fail", "barrier", "max_shard_size"},
+    "to_huggingface": {"fail", "barrier", "max_shard_size", "config_text_fields"},
 }
 
 
@@ -146,6 +149,8 @@ def load_faults():
                 for name, arg in value.items():
                     if name == "barrier":
                         ok = isinstance(arg, str) and re.fullmatch(r"[A-Za-z0-9._-]+", arg) is not None
+                    elif name == "config_text_fields":
+                        ok = isinstance(arg, dict) and all(isinstance(k, str) for k in arg)
                     elif name == "eval_loss_rises":
                         ok = arg is True
                     elif name == "kill_host_at_step":

@@ -283,6 +283,7 @@ def _add_fine_tune_tasks(rehearsal: bool, tpu_slice: bool = False) -> None:
         outlets=[] if rehearsal else [TUNED_MODEL],
         **hosts,
         **vm_connections,
+        hf_conn_id=HF_CONN_ID,  # the base model's config.json, to check the export's against
     )
 
     # 6. Delete the VM in every outcome; a slice's group (with its hosts), then its template and

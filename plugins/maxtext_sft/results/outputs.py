@@ -9,7 +9,7 @@ import json
 import math
 import posixpath
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -208,10 +208,12 @@ def model_card(
     final_loss: str | float | None,
     export: ExportLayout | None = None,
     eval_loss: Mapping[str, float | None] | None = None,
+    config_corrections: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """README.md of the exported model: Hub metadata in YAML front matter (with the tuned model's
     held-out eval loss as a model-index result), then the facts (`export`: the checked layout of
-    the weights beside it; `eval_loss`: {"base": ..., "tuned": ...})."""
+    the weights beside it; `eval_loss`: {"base": ..., "tuned": ...}; `config_corrections`: the
+    export's config.json values corrected, results/export_config.py)."""
     from huggingface_hub import EvalResult, ModelCardData  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     tuned = (eval_loss or {}).get("tuned")
@@ -259,6 +261,11 @@ def model_card(
         rows.append(("Checkpoints", f"`{spec.checkpoints_dir}`"))
     if export:
         rows.append(("Weights", export.describe()))
+    if config_corrections:
+        fixes = "; ".join(
+            f"`{fix['field']}` {fix['was']!r} -> {fix['now']!r} ({fix['source']})" for fix in config_corrections
+        )
+        rows.append(("config.json corrected", f"MaxText {spec.maxtext_version} exported {fixes}"))
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return (
         f"---\n{metadata.to_yaml()}\n---\n\n"
@@ -294,12 +301,14 @@ def run_record(
     metrics: TrainingMetrics | None = None,
     loss_curve: str | None = None,
     export: ExportLayout | None = None,
+    config_corrections: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs).
 
     `location` is where this record itself goes (the run summary points there); `metrics` the
     train and eval losses by step from MaxText's metrics file (None: it could not be read);
-    `loss_curve` where their chart went; `export` the checked layout of the export.
+    `loss_curve` where their chart went; `export` the checked layout of the export;
+    `config_corrections` what was corrected in its config.json.
     """
     final_step = training.get("final_step")
     return {
@@ -326,6 +335,8 @@ def run_record(
         # "single" (model.safetensors) or "sharded" (model.safetensors.index.json and its shards)
         "hf_export_layout": export.layout if export else None,
         "hf_export_weight_files": list(export.weight_files) if export else None,
+        # The export's config.json values corrected: [{field, was, now, source}] (results/export_config.py)
+        "export_config_corrections": [dict(fix) for fix in config_corrections],
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",
         "run_record": location,
         "loss_curve": loss_curve,

@@ -94,6 +94,14 @@ class MaxTextCommandLines:
             "convert_args": self._conversion_flags(),
         }
 
+    def checkpoint_repo(self) -> str | None:
+        """The Hub repo the conversion downloads; None when it reads a folder on the VM (--hf_model_path)."""
+        for arg in self.convert_extra_args:
+            key, _, value = arg.lstrip("-").partition("=")
+            if key == "hf_model_path":
+                return None if value.startswith(("/", "~", ".")) else value
+        return self.base_model_id
+
     def convert_args(self) -> list[str]:
         return [
             f"model_name={self.model_name}",

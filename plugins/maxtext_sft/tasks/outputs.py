@@ -16,9 +16,11 @@ from maxtext_sft.cloud.export_files import ExportFiles
 from maxtext_sft.cloud.hub import HuggingFaceHubHook
 from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.vm.ssh_common import LoginRefused, RemoteCommandError
+from maxtext_sft.results.export_config import ExportConfigError, check_export_config, requested_architecture
 from maxtext_sft.results.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.results.loss_curve import render_loss_curve
 from maxtext_sft.results.outputs import (
+    CONFIG_FILE,
     LOSS_CURVE_NAME,
     MODEL_CARD_NAME,
     RUN_RECORD_NAME,
@@ -73,10 +75,44 @@ class CollectOutputsOperator(RunTaskOperator):
             context["outlet_events"][TUNED_MODEL].extra = tuned_model_event(spec, record)
         return record
 
-    def _card(self, spec: RunSpec, export: ExportLayout, metrics: TrainingMetrics | None) -> str:
+    def _card(
+        self, spec: RunSpec, export: ExportLayout, metrics: TrainingMetrics | None, corrections: list[dict]
+    ) -> str:
         final_step = self.training["final_step"]
         return model_card(spec, final_step=final_step, final_loss=self.training["final_loss"], export=export,
-                          eval_loss=metrics.eval_results(final_step) if metrics else None)
+                          eval_loss=metrics.eval_results(final_step) if metrics else None,
+                          config_corrections=corrections)
+
+    def _checked_config(self, spec: RunSpec, where: str, config_text: str, write) -> list[dict]:
+        """The export's config.json checked against the base model's (results/export_config.py);
+        the values MaxText is known to get wrong are corrected in place by `write(text)`. Returns
+        the corrections; fails the task, not to be retried, when the export differs otherwise."""
+        repo = spec.checkpoint_repo()
+        if repo is None:
+            self.log.warning("The base model is a folder on the VM: the export's %s is not checked", CONFIG_FILE)
+            return []
+        api = HuggingFaceHubHook(hf_conn_id=self.hf_conn_id).get_conn()
+        with tempfile.TemporaryDirectory(prefix="maxtext-sft-base-config-") as folder:
+            base = json.loads(
+                Path(api.hf_hub_download(repo, CONFIG_FILE, revision=spec.model_revision, local_dir=folder)).read_text()
+            )
+        try:
+            config, corrections = check_export_config(
+                json.loads(config_text), base, requested_architecture(spec.export_args())
+            )
+        except ExportConfigError as error:
+            raise AirflowFailException(
+                f"The export's {CONFIG_FILE} in {where} does not describe {repo} (revision "
+                f"{spec.model_revision or 'default branch'}) as trained: {error}. Nothing is published."
+            ) from None
+        if corrections:
+            write(json.dumps(config, indent=2) + "\n")
+            for fix in corrections:
+                self.log.warning(
+                    "Corrected the export's %s: %s was %r, now %r (%s)",
+                    CONFIG_FILE, fix["field"], fix["was"], fix["now"], fix["source"],
+                )
+        return corrections
 
     def _curve(self, metrics: TrainingMetrics | None) -> bytes | None:
         return render_loss_curve(metrics.train, eval_history=metrics.eval) if metrics and metrics.train else None
@@ -94,9 +130,14 @@ class CollectOutputsOperator(RunTaskOperator):
                 f"The export in {export_uri} is incomplete: {error}. Was export_to_hf's upload complete?"
             ) from None
         self.log.info("The export in %s is %s: %s", export_uri, export.layout, list(export.weight_files))
+        corrections = self._checked_config(
+            spec, export_uri, storage.read_text(f"{export_uri}/{CONFIG_FILE}"),
+            lambda text: storage.upload(bucket, f"{prefix}/{CONFIG_FILE}", data=text, mime_type="application/json"),
+        )
         metrics = self._metrics_or_none(spec)
         storage.upload(
-            bucket, f"{prefix}/{MODEL_CARD_NAME}", data=self._card(spec, export, metrics), mime_type="text/markdown"
+            bucket, f"{prefix}/{MODEL_CARD_NAME}", data=self._card(spec, export, metrics, corrections),
+            mime_type="text/markdown",
         )
         curve = None
         if chart := self._curve(metrics):
@@ -106,6 +147,7 @@ class CollectOutputsOperator(RunTaskOperator):
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri,
             location=spec.run_record_uri, metrics=metrics, loss_curve=curve, export=export,
+            config_corrections=corrections,
         )
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
@@ -125,7 +167,10 @@ class CollectOutputsOperator(RunTaskOperator):
         except ExportLayoutError as error:
             raise AirflowException(f"The export on {spec.vm_name} ({spec.hf_export_dir}) is incomplete: {error}") from None
         self.log.info("The export is %s: %s", export.layout, list(export.weight_files))
-        (export_dir / MODEL_CARD_NAME).write_text(self._card(spec, export, metrics))
+        config_path = export_dir / CONFIG_FILE
+        corrections = self._checked_config(spec, f"{export_dir} (copied off {spec.vm_name})", config_path.read_text(),
+                                           config_path.write_text)
+        (export_dir / MODEL_CARD_NAME).write_text(self._card(spec, export, metrics, corrections))
         location = f"{socket.gethostname()}:{export_dir}"
         curve = None
         if chart := self._curve(metrics):
@@ -134,7 +179,7 @@ class CollectOutputsOperator(RunTaskOperator):
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location,
             location=f"{socket.gethostname()}:{folder / RUN_RECORD_NAME}", metrics=metrics, loss_curve=curve,
-            export=export,
+            export=export, config_corrections=corrections,
         )
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(

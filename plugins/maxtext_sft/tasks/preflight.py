@@ -42,15 +42,6 @@ class InvalidToken(PreflightFailed):
     """The Hub refuses the token itself: checks that need it cannot say anything."""
 
 
-def checkpoint_repo(spec: RunSpec) -> str | None:
-    """The Hub repo the conversion downloads; None when it reads a folder on the VM (--hf_model_path)."""
-    for arg in spec.convert_extra_args:
-        key, _, value = arg.lstrip("-").partition("=")
-        if key == "hf_model_path":
-            return None if value.startswith(("/", "~", ".")) else value
-    return spec.base_model_id
-
-
 def check_hub_access(api: HfApi, spec: RunSpec, whoami: Callable[[], dict]) -> str:
     """The token is valid and may read the base checkpoint. `whoami`: the Hub's whoami-v2 answer
     for the token (asked once a preflight: the Hub limits that endpoint strictly)."""
@@ -62,7 +53,7 @@ def check_hub_access(api: HfApi, spec: RunSpec, whoami: Callable[[], dict]) -> s
         if error.response is not None and error.response.status_code == 401:
             raise InvalidToken("the Hugging Face token is invalid or expired (connection password)") from None
         raise
-    repo = checkpoint_repo(spec)
+    repo = spec.checkpoint_repo()
     if repo is None:
         return f"token of {user}; the base checkpoint is a folder on the VM"
     readable_commit(api, "model", repo, spec.model_revision, f"the Hugging Face token ({user})")
@@ -312,7 +303,7 @@ def check_room(spec: RunSpec, *, worker_free_bytes: int | None) -> str:
     if sizes is None:
         return f"sizes not checked: no shape known for model {spec.model_name} (sizing.MODEL_SHAPES)"
     problems = []
-    download = sizes.hf_download if checkpoint_repo(spec) else 0
+    download = sizes.hf_download if spec.checkpoint_repo() else 0
     boot_need = OS_ALLOWANCE_BYTES + MAXTEXT_VENV_BYTES + download
     boot = spec.boot_disk_size_gb * GB
     if boot_need > boot:

@@ -95,6 +95,59 @@ def write_weights(out, max_shard_size, metadata):
                                                      indent=2))
 
 
+def standin_config(config):
+    """A made-up config.json for the models other than gemma3-4b (no loader reads it)."""
+    dims = config.model_dims
+    return {
+        "architectures": ["MaxTextStandinForCausalLM"],
+        "model_type": config.model_name.split("-")[0],
+        "hidden_size": dims["base_emb_dim"], "intermediate_size": dims["base_mlp_dim"],
+        "num_hidden_layers": dims["base_num_decoder_layers"], "num_attention_heads": dims["base_num_query_heads"],
+        "num_key_value_heads": dims["base_num_kv_heads"], "head_dim": dims["head_dim"],
+        "vocab_size": dims["vocab_size"], "torch_dtype": config.weight_dtype,
+        "maxtext_standin": {"hf_id": s.HF_IDS[config.model_name], "source": config.load_parameters_path},
+    }
+
+
+def gemma3_4b_config(dims):
+    """The config.json MaxText 0.2.2 writes for gemma3-4b: its
+    maxtext/checkpoint_conversion/utils/hf_model_configs.py gemma3_4b_config, as transformers 5.8
+    saves it (rope_parameters by layer type, layer_types spelled out), with the run's dimensions
+    (--override_model_architecture). Its two known errors are kept: text hidden_activation "gelu"
+    (AI-Hypercomputer/maxtext#2867) and rope_theta 10000.0 for the global layers too."""
+    layers = dims["base_num_decoder_layers"]
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "model_type": "gemma3", "dtype": "bfloat16", "transformers_version": "5.8.0",
+        "text_config": {
+            "attention_bias": False, "attention_dropout": 0.0, "attn_logit_softcapping": None,
+            "cache_implementation": "hybrid", "final_logit_softcapping": None,
+            "head_dim": dims["head_dim"], "hidden_activation": "gelu", "hidden_size": dims["base_emb_dim"],
+            "initializer_range": 0.02, "intermediate_size": dims["base_mlp_dim"],
+            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+            "max_position_embeddings": 163840, "model_type": "gemma3_text",
+            "num_attention_heads": dims["base_num_query_heads"], "num_hidden_layers": layers,
+            "num_key_value_heads": dims["base_num_kv_heads"],
+            # The toy's configs keep query_pre_attn_scalar = head_dim (make_toy_inputs.py).
+            "query_pre_attn_scalar": dims["head_dim"], "rms_norm_eps": 1e-06,
+            "rope_parameters": {
+                "full_attention": {"factor": 8.0, "rope_theta": 10000.0, "rope_type": "linear"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+            "sliding_window": 1024, "sliding_window_pattern": 6, "use_cache": True,
+            "vocab_size": dims["vocab_size"],
+        },
+        "vision_config": {
+            "attention_dropout": 0.0, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "image_size": 896,
+            "intermediate_size": 4304, "layer_norm_eps": 1e-06, "model_type": "siglip_vision_model",
+            "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 27, "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+
+
 def main(argv):
     flags, args = s.parse_absl_flags(argv, bool_flags=["override_model_architecture"])
     faults = s.load_faults()
@@ -125,16 +178,11 @@ def main(argv):
     s.log("\nSaving HuggingFace model...", "to_huggingface.py:346")
     out = Path(output_directory)
     out.mkdir(parents=True, exist_ok=True)
-    dims = config.model_dims
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["MaxTextStandinForCausalLM"],
-        "model_type": config.model_name.split("-")[0],
-        "hidden_size": dims["base_emb_dim"], "intermediate_size": dims["base_mlp_dim"],
-        "num_hidden_layers": dims["base_num_decoder_layers"], "num_attention_heads": dims["base_num_query_heads"],
-        "num_key_value_heads": dims["base_num_kv_heads"], "head_dim": dims["head_dim"],
-        "vocab_size": dims["vocab_size"], "torch_dtype": config.weight_dtype,
-        "maxtext_standin": {"hf_id": s.HF_IDS[config.model_name], "source": config.load_parameters_path},
-    }, indent=2))
+    hf_config = (gemma3_4b_config(config.model_dims) if config.model_name == "gemma3-4b"
+                 else standin_config(config))
+    text = hf_config.get("text_config", hf_config)
+    text.update(faults.get("to_huggingface", {}).get("config_text_fields", {}))
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     write_weights(out, faults.get("to_huggingface", {}).get("max_shard_size", DEFAULT_MAX_SHARD_SIZE), {
         "format": "pt", "maxtext_standin": "true", "source": config.load_parameters_path,
         "step": source.get("step", 0), "run_name": source.get("run_name", "")})
