@@ -82,7 +82,9 @@ LOCAL_HUB_MODEL_CONFIG = {
         "num_hidden_layers": 34,
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
         "sliding_window": 1024,
-        "vocab_size": 262144,
+        # No vocab_size: Gemma3TextConfig's default, 262208 (the text tokens and the image tokens
+        # from image_token_index on), what the published 4B configs show; MaxText trains and
+        # exports 262144 (export_config.KNOWN_DIFFERENT). Not read from the Hub's file here.
     },
     "torch_dtype": "bfloat16",
     "transformers_version": "4.50.0.dev0",

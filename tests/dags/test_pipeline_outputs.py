@@ -278,7 +278,8 @@ def test_a_second_run_of_the_same_base_model_skips_conversion(durable_run, run_p
     assert len([n for n in attempts_before if n.endswith("COMPLETE.json")]) == 1
 
 
-def test_a_diverged_run_publishes_nothing_and_fails_saying_why(run_pipeline, hub, local_cloud):
+def test_a_diverged_run_publishes_nothing_and_fails_saying_why(durable_run, run_pipeline, hub, local_cloud):
+    # durable_run published to the repo first: its commits are what must not change.
     before = [c.commit_id for c in hub.list_repo_commits(HUB_REPO)]
     run = run_pipeline(
         {"output_location": f"gs://{BUCKET}/sft", "hub_repo_id": HUB_REPO, "steps": 4},

@@ -87,3 +87,16 @@ def test_rope_written_by_either_transformers_compares_equal():
     text = export["text_config"]
     text.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"type": "linear", "factor": 8.0})
     assert check_export_config(export, LOCAL_HUB_MODEL_CONFIG, {})[1] == []
+
+
+def test_maxtexts_text_vocabulary_is_accepted_and_no_other_vocabulary_is():
+    # The base model's config leaves vocab_size at Gemma3TextConfig's 262208; MaxText exports its
+    # 262144 text tokens. Accepted as they are (nothing to correct), never another size.
+    assert "vocab_size" not in LOCAL_HUB_MODEL_CONFIG["text_config"]
+    export = maxtext_gemma3_4b_config()
+    assert export["text_config"]["vocab_size"] == 262_144
+    config, fixes = check_export_config(export, LOCAL_HUB_MODEL_CONFIG, {})
+    assert config["text_config"]["vocab_size"] == 262_144 and "vocab_size" not in {fix["field"] for fix in fixes}
+    export["text_config"]["vocab_size"] = 262_000
+    with pytest.raises(ExportConfigError, match="vocab_size: the export has 262000, the base model's 262208"):
+        check_export_config(export, LOCAL_HUB_MODEL_CONFIG, {})
