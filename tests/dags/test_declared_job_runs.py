@@ -81,6 +81,12 @@ def write_jobs(root) -> tuple:
     return jobs, dags
 
 
+# A failed run's notification comes from the DAG processor, which runs the DAG's on_failure_callback
+# when it next parses the job's file: beside the whole suite on two cores that once took more than
+# 120 s after the run's end (a fresh clone's `make test`); alone the test passes well within it.
+NOTIFIED_WITHIN = 300
+
+
 @pytest.fixture(scope="module")
 def jobs_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, local_cloud):
     """One Airflow for the three declared jobs, whose user must log in, with their owners' Slack
@@ -132,7 +138,7 @@ def test_the_failed_runs_note_names_the_first_failed_task_and_its_error(failed_r
 def test_the_slack_channel_is_told_the_cause_and_the_runs_page(failed_runs):
     _, runs, slack, _ = failed_runs
     run_id = runs["team_slack_job"]["dag_run_id"]
-    [message] = slack.wait_for(lambda m: run_id in m.get("text", ""), timeout=120)
+    [message] = slack.wait_for(lambda m: run_id in m.get("text", ""), timeout=NOTIFIED_WITHIN)
     assert slack.paths == [f"/services/{SLACK_TOKEN}"]
     text = message["text"]
     assert text.startswith("Fine-tune run failed at preflight: Preflight failed, no VM was created: ") and CAUSE in text
@@ -144,7 +150,7 @@ def test_the_slack_channel_is_told_the_cause_and_the_runs_page(failed_runs):
 def test_the_mailbox_is_told_the_cause_and_the_runs_page(failed_runs):
     _, runs, _, smtp = failed_runs
     run_id = runs["team_mail_job"]["dag_run_id"]
-    [mail] = smtp.wait_for(lambda m: run_id in body_text(m), timeout=120)
+    [mail] = smtp.wait_for(lambda m: run_id in body_text(m), timeout=NOTIFIED_WITHIN)
     assert mail["To"] == "ml-team@example.com" and mail["From"] == "airflow@example.com"
     assert mail["Subject"].startswith("[team_mail_job] Fine-tune run failed at preflight: Preflight failed, no VM")
     body = body_text(mail)
@@ -153,7 +159,7 @@ def test_the_mailbox_is_told_the_cause_and_the_runs_page(failed_runs):
 
 def test_no_secret_reaches_the_logs(failed_runs):
     airflow, runs, slack, _ = failed_runs
-    slack.wait_for(lambda m: True, timeout=120)
+    slack.wait_for(lambda m: True, timeout=NOTIFIED_WITHIN)
     for component in ("scheduler", "dag-processor", "api-server", "triggerer"):
         assert "run-notes-webhook-secret" not in airflow.log_tail(component, size=10**7), component
     # The DAG processor's own log files, where the failure callback logs.
@@ -268,7 +274,7 @@ def test_a_backfill_over_three_days_trains_each_on_its_snapshot_two_vms_at_a_tim
     failing = airflow.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                               {"logical_date": None, "conf": {"reservation": "no-such-reservation"}})["dag_run_id"]
     assert wait_for_run_end(airflow, failing, dag_id=DAG_ID)["state"] == "failed"
-    [told] = webhook.wait_for(lambda m: m.get("run_id") == failing, timeout=120)
+    [told] = webhook.wait_for(lambda m: m.get("run_id") == failing, timeout=NOTIFIED_WITHIN)
     assert told["dag_id"] == DAG_ID and told["event"] == "run_failed"
 
     local_cloud.clear_requests()
