@@ -358,25 +358,23 @@ def run_preflight(
     """
     api = HuggingFaceHubHook(hf_conn_id=hf_conn_id).get_conn()
     whoami = functools.cache(api.whoami)  # one whoami-v2 call, however many checks read it
+    # One hook each: a hook builds its client on first use, so the checks that share one share it.
+    compute = ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id)
+    storage = StorageEndpointHook(gcp_conn_id=gcp_conn_id)
     checks = [
         ("Hugging Face token", lambda: check_hub_access(api, spec, whoami)),
         # Only a run that publishes (publish_to_hub publishes nothing without hub_repo_id).
         *([("Hub publishing", lambda: check_hub_write(api, spec, whoami))] if spec.hub_repo_id else []),
         ("dataset", lambda: check_dataset(api, spec)),
-        ("eval split", lambda: check_eval_split(api, StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        ("eval split", lambda: check_eval_split(api, storage, spec)),
         # Only a run on a reservation has one to read (capacity; a rehearsal reads the real run's).
         *(
-            [(
-                "reservation",
-                lambda: check_reservation(
-                    ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec, capacity_gate=capacity_gate
-                ),
-            )]
+            [("reservation", lambda: check_reservation(compute, spec, capacity_gate=capacity_gate))]
             if spec.capacity == "reservation"
             else []
         ),
-        ("network", lambda: check_network(ComputeEngineEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
-        ("output location", lambda: check_output_location(StorageEndpointHook(gcp_conn_id=gcp_conn_id), spec)),
+        ("network", lambda: check_network(compute, spec)),
+        ("output location", lambda: check_output_location(storage, spec)),
         ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
     ]
     found, failures = [], []
