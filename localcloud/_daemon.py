@@ -138,13 +138,16 @@ def parse_emulator_args(parser: argparse.ArgumentParser, argv: list[str] | None)
 
 
 def serve_until_stopped(
-    server, args: argparse.Namespace, ready_file: Path, name: str, endpoint_path: str = "", on_stop=None
+    server, args: argparse.Namespace, ready_file: Path, name: str, endpoint_path: str = "", on_stop=None,
+    extra_ready: dict | None = None,
 ) -> int:
-    """Serve in a thread, announce readiness, and shut down on SIGTERM/SIGINT or the parent's death."""
+    """Serve in a thread, announce readiness (with `extra_ready`'s fields), and shut down on
+    SIGTERM/SIGINT or the parent's death."""
     port = server.server_address[1]
     stop = stop_event(args.parent_pid)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}{endpoint_path}"}
+    ready = {"port": port, "pid": os.getpid(), "endpoint": f"http://{args.host}:{port}{endpoint_path}",
+             **(extra_ready or {})}
     write_ready(ready_file, ready)
     log.info("%s emulator listening on %s (state dir %s)", name, ready["endpoint"], args.state_dir)
     while not stop.wait(0.5):

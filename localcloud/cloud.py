@@ -5,6 +5,7 @@ Hugging Face Hub), for tests and local runs.
         cloud.compute_endpoint   # "http://127.0.0.1:PORT/compute/v1/"
         cloud.storage_endpoint   # "http://127.0.0.1:PORT2/storage/v1/"
         cloud.oslogin_endpoint   # "http://127.0.0.1:PORT/" (the OS Login API, in compute's process)
+        cloud.iap_tunnel_endpoint  # "wss://127.0.0.1:PORT4/v4/" (IAP's TCP forwarding, in compute's process)
         cloud.create_bucket("my-bucket")
         cloud.hub.endpoint       # "http://127.0.0.1:PORT3" (HF_ENDPOINT's format)
         cloud.hub.add_user("team", token, role="write")
@@ -195,6 +196,64 @@ class LocalCloud:
         """The OS Login API (served by the compute emulator's process), in gcloud's
         api_endpoint_overrides/oslogin format: the host root, as oslogin.googleapis.com/ is."""
         return f"{self.base_url}/"
+
+    @property
+    def token_uri(self) -> str:
+        """The OAuth token endpoint of service-account keys (localcloud/iap/tokens.py), in compute's
+        process: a key file's `token_uri`, as https://oauth2.googleapis.com/token is."""
+        return f"{self.base_url}/token"
+
+    @property
+    def resourcemanager_endpoint(self) -> str:
+        """Resource Manager's projects.testIamPermissions (IAP's permission only), in compute's
+        process, in gcloud's api_endpoint_overrides/cloudresourcemanager format: the host root."""
+        return f"{self.base_url}/"
+
+    @property
+    def iap_tunnel_endpoint(self) -> str:
+        """IAP's TCP forwarding relay (localcloud/iap/relay.py), "wss://127.0.0.1:PORT/v4/": gcloud's
+        --iap-tunnel-url-override and the Google connection's extra `iap_tunnel_endpoint` take it."""
+        if not self._compute.ready:
+            raise LocalCloudError("LocalCloud is not started")
+        return self._compute.ready["iap_tunnel_endpoint"]
+
+    @property
+    def iap_tunnel_ca_file(self) -> str:
+        """The relay's certificate, its own CA: what gcloud's core/custom_ca_certs_file and
+        OpenSSL's SSL_CERT_FILE (Python's default TLS context) take to trust it."""
+        if not self._compute.ready:
+            raise LocalCloudError("LocalCloud is not started")
+        return self._compute.ready["iap_tunnel_ca_file"]
+
+    def add_service_account(self, email: str) -> dict:
+        """A new key for service account `email` that the token endpoint accepts: the key file
+        (what a Google connection's `keyfile_dict` holds), its `token_uri` this cloud's."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        public = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+        self._control("POST", "iap/service-accounts", {"email": email, "public_key_pem": public})
+        private = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+        return {
+            "type": "service_account", "project_id": email.split("@")[1].split(".")[0],
+            "private_key_id": os.urandom(20).hex(), "private_key": private, "client_email": email,
+            "client_id": str(int.from_bytes(os.urandom(8), "big")), "token_uri": self.token_uri,
+        }
+
+    def grant_iap_tunnel_user(self, project: str, member: str) -> None:
+        """`member` (`serviceAccount:EMAIL`) gets the IAP-secured Tunnel User role on `project`."""
+        self._control("POST", "iap/tunnel-users", {"project": project, "member": member})
+
+    def revoke_iap_tunnel_user(self, project: str, member: str) -> None:
+        self._control("DELETE", "iap/tunnel-users", {"project": project, "member": member})
+
+    def iap_requests(self) -> list[dict]:
+        """The relay's log: [{caller (a token's service account, None without one), project, zone,
+        instance, port, interface, outcome ("connected", a close code, or 401)}]."""
+        return self._control("GET", "iap/requests")
 
     def oslogin_requests(self) -> list[dict]:
         """The OS Login API's request log: [{time, method, path, query, body, status, user_agent,

@@ -1,8 +1,9 @@
 """Airflow connections that point the pipeline at the local cloud.
 
-These are the only things that differ from a Google Cloud deployment: the Compute, Storage and
-OS Login API endpoints (the connection extras `compute_api_endpoint`, `storage_api_endpoint`,
-`oslogin_api_endpoint`), anonymous credentials (so the OS Login account is named: extra
+These are the only things that differ from a Google Cloud deployment: the Compute, Storage,
+OS Login and Resource Manager API endpoints and IAP's relay (the connection extras
+`compute_api_endpoint`, `storage_api_endpoint`, `oslogin_api_endpoint`,
+`resourcemanager_api_endpoint`, `iap_tunnel_endpoint`), anonymous credentials (so the OS Login account is named: extra
 `os_login_account`), the VM login key, a local Hugging Face token and the local Hub's endpoint (extra
 `endpoint`). They are given as AIRFLOW_CONN_* environment variables, the way a deployment
 gives them.
@@ -141,6 +142,10 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
             "compute_api_endpoint": cloud.compute_endpoint,
             "storage_api_endpoint": cloud.storage_endpoint,
             "oslogin_api_endpoint": cloud.oslogin_endpoint,
+            # SSH through IAP (Param ssh_via_iap; it needs an identity: anonymous credentials are
+            # refused, tests give the connection a service-account key of the local cloud).
+            "iap_tunnel_endpoint": cloud.iap_tunnel_endpoint,
+            "resourcemanager_api_endpoint": cloud.resourcemanager_endpoint,
             # Anonymous credentials have no email: the account whose OS Login profile gets the key.
             "os_login_account": LOCAL_SERVICE_ACCOUNT,
         },

@@ -27,6 +27,7 @@ class Service:
         self.label, self.module, self.ready_file, self.log_file = label, module, ready_file, log_file
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
+        self.ready: dict = {}  # what its ready file said
 
     def start(self, python: str, args: list[str], timeout: float) -> None:
         self.ready_file.unlink(missing_ok=True)
@@ -56,7 +57,7 @@ class Service:
                 terminate(proc, 5.0)
                 raise ServiceError(f"{self.label} emulator not ready after {timeout}s: {self.log_tail()}")
             time.sleep(0.02)
-        self.proc, self.port = proc, ready["port"]
+        self.proc, self.port, self.ready = proc, ready["port"], ready
 
     def stop(self, timeout: float) -> subprocess.Popen | None:
         """Stop it (idempotent); returns the process if it had to be killed or failed."""

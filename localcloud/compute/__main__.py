@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .._daemon import emulator_parser, parse_emulator_args, serve_until_stopped, take_over
+from ..iap.relay import Relay, self_signed_certificate
 from .emulator import ComputeEmulator
 from .first_boot import FirstBoot
 from .server import make_server
@@ -57,12 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         first_boot=FirstBoot(args.first_boot_cloud_init, args.first_boot_dpkg_lock),
     )
     server = make_server(emulator, args.host, args.port)
+    # IAP's TCP forwarding, on a port of its own (a WebSocket server): localcloud/iap/relay.py.
+    relay = Relay(emulator.tokens.identity, emulator.iap_policy, emulator.iap_backend,
+                  emulator.iap_request_log.append, self_signed_certificate(state_dir), args.host).start()
 
     def delete_vms() -> None:
+        relay.stop()
         log.info("deleting %d VM(s)", len(emulator.instances))
         emulator.shutdown()
 
-    status = serve_until_stopped(server, args, ready_file, "compute", "/compute/v1/", on_stop=delete_vms)
+    status = serve_until_stopped(server, args, ready_file, "compute", "/compute/v1/", on_stop=delete_vms,
+                                 extra_ready={"iap_tunnel_endpoint": relay.endpoint, "iap_tunnel_ca_file": str(relay.ca_file)})
     os.close(lock_fd)
     return status
 

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 
 from .._daemon import RequestLog
+from ..iap.relay import TunnelPolicy
+from ..iap.tokens import TokenIssuer
 from ..oslogin import guest as os_login_guest
 from ..oslogin.store import OsLoginStore
 from . import guest_power
@@ -89,6 +91,18 @@ class ComputeEmulator(
         self.os_login_request_log = RequestLog(state_dir / "oslogin-requests.jsonl")
         self.os_login_keys = os_login_guest.KeysListener(self._os_login_user)
         os_login_guest.write_shim(state_dir / "vm-etc", self.os_login_keys.name, guest_power.SHIM_DIR)
+
+        # Service-account keys' tokens and IAP's TCP forwarding (localcloud/iap): the relay runs
+        # beside this server (__main__) and reaches the instances by their internal address.
+        self.tokens = TokenIssuer()
+        self.iap_policy = TunnelPolicy()
+        self.iap_request_log = RequestLog(state_dir / "iap-requests.jsonl")
+
+    def iap_backend(self, project: str, zone: str, name: str) -> str | None:
+        """The internal address IAP forwards to: a RUNNING instance's; None for any other."""
+        with self.lock:
+            inst = self.instances.get((project, zone, name))
+            return inst.ip if inst is not None and inst.status == "RUNNING" and not inst.deleting else None
 
     def set_first_boot(self, body: object) -> dict:
         """The control call: what the boots of VMs made from now on go through (first_boot.py)."""

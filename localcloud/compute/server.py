@@ -1,5 +1,6 @@
 """The compute emulator's HTTP server: /compute/v1/ requests routed to the emulator's handlers,
-/v1/users/ ones to the OS Login API (localcloud/oslogin, its own log), and the emulator's own
+/v1/users/ ones to the OS Login API (localcloud/oslogin, its own log), POST /token to the OAuth
+token endpoint of service-account keys (localcloud/iap/tokens.py), and the emulator's own
 controls under /_localcloud/ (`ControlApi`; nothing there is part of the Compute Engine API).
 Errors are answered in the API's shape; every API request is logged.
 
@@ -17,6 +18,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ..iap import tokens as token_endpoint
 from ..oslogin import api as os_login_api
 from ..oslogin.store import OsLoginError
 from . import catalog, errors
@@ -159,6 +161,22 @@ class ControlApi:
         if what == "networks" and method == "POST":
             # {"project", "name", "auto", "subnetworks"?: [{"region", "name", "ip_cidr_range"}]}.
             return 200, emulator.set_network(body)
+        if what == "iap/service-accounts" and method == "POST":
+            # {"email", "public_key_pem"}: a service account whose key the token endpoint accepts.
+            if not isinstance(body, dict) or set(body) != {"email", "public_key_pem"}:
+                raise ApiError(400, "invalid", 'Expected {"email", "public_key_pem"}.')
+            return 200, emulator.tokens.add_service_account(body["email"], body["public_key_pem"])
+        if what == "iap/tunnel-users" and method in ("POST", "DELETE"):
+            # {"project", "member": "serviceAccount:EMAIL"}: grant (POST) or revoke the Tunnel User role.
+            if not isinstance(body, dict) or set(body) != {"project", "member"}:
+                raise ApiError(400, "invalid", 'Expected {"project", "member"}.')
+            change = emulator.iap_policy.grant if method == "POST" else emulator.iap_policy.revoke
+            return 200, change(body["project"], body["member"])
+        if what == "iap/requests" and method == "GET":  # the relay's log: who tunnelled where
+            return 200, emulator.iap_request_log.read()
+        if what == "iap/requests" and method == "DELETE":
+            emulator.iap_request_log.clear()
+            return 200, {}
         if what == "first-boot" and method == "POST":
             # {"cloud_init_seconds": S, "dpkg_lock_seconds": S}: what the next VMs' boots go through.
             return 200, emulator.set_first_boot(body)
@@ -197,6 +215,14 @@ class Handler(BaseHTTPRequestHandler):
         query = parse_qs(url.query, keep_blank_values=True)
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
+        if path == token_endpoint.PATH and method == "POST":  # a form, not JSON
+            status, payload = self.emulator.tokens.grant(raw)
+            self._answer(status, json.dumps(payload).encode())
+            return
+        if (m := re.fullmatch(r"/v1/projects/([^/:]+):testIamPermissions", path)) and method == "POST":
+            status, payload = self._test_iam_permissions(unquote(m.group(1)), raw)
+            self._answer(status, json.dumps(payload).encode())
+            return
         base = f"http://{host}{API_PREFIX}"
         body: object = None
         extra_headers: dict[str, str] = {}
@@ -259,7 +285,24 @@ class Handler(BaseHTTPRequestHandler):
             # The Cloud client libraries' own header: their client_info's user agent goes there.
             "api_client": self.headers.get("x-goog-api-client", ""),
         })
-        data = json.dumps(payload).encode()
+        self._answer(status, json.dumps(payload).encode())
+
+    def _test_iam_permissions(self, project: str, raw: bytes) -> tuple[int, dict]:
+        """Resource Manager v1 projects.testIamPermissions, for the one permission this cloud's IAM
+        knows (IAP's tunnel, localcloud/iap/relay.py): the caller's (a token the token endpoint
+        issued) subset of the asked permissions, {} for none. An invalid token gets the 401 every
+        Google API answers (google.rpc UNAUTHENTICATED)."""
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        email = self.emulator.tokens.identity(token.strip()) if scheme.lower() == "bearer" else None
+        if email is None:
+            return 401, {"error": {"code": 401, "status": "UNAUTHENTICATED", "message": (
+                "Request had invalid authentication credentials. Expected OAuth 2 access token, login cookie "
+                "or other valid authentication credential.")}}
+        asked = (json.loads(raw or b"{}") or {}).get("permissions") or []
+        held = [p for p in asked if p == "iap.tunnelInstances.accessViaIAP" and self.emulator.iap_policy.allows(project, email)]
+        return 200, ({"permissions": held} if held else {})
+
+    def _answer(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))

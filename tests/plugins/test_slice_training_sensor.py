@@ -94,7 +94,7 @@ def fake(monkeypatch):
 
     def ssh_target(spec, gcp_conn_id):
         return {"host": next(h["ip"] for h in HOSTS if h["name"] == spec.vm_name),
-                "host_keys": {"ssh-ed25519": f"KEY-{spec.vm_name}"}, "username": None, "proxy_command": None}
+                "host_keys": {"ssh-ed25519": f"KEY-{spec.vm_name}"}, "username": None, "iap": None}
 
     STORE.clear()
     monkeypatch.setattr(sensors.time, "time", lambda: made.now)

@@ -313,16 +313,17 @@ def test_os_login_replaces_the_ssh_keys_metadata():
     assert "ssh-keys" in default and "enable-oslogin" not in default
 
 
-def test_ssh_via_iap_tunnels_through_gcloud():
-    import shlex
-
-    from maxtext_sft.vm.access import iap_tunnel_command
+def test_ssh_via_iap_tunnels_to_the_vms_port_22_with_the_connections_identity():
+    from maxtext_sft.cloud.iap_tunnel import iap_target, tunnel_url
 
     spec = make_spec(ssh_via_iap=True)
-    assert shlex.split(iap_tunnel_command(spec)) == [
-        "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
-        f"--zone={spec.zone}", "--project=my-project", "--verbosity=warning",
-    ]
+    target = iap_target("gcp", spec.project_id, spec.zone, spec.vm_name)
+    assert target == {"gcp_conn_id": "gcp", "project": "my-project", "zone": spec.zone, "instance": spec.vm_name, "port": 22}
+    # The query gcloud's CreateWebSocketConnectUrl sends.
+    assert tunnel_url("wss://tunnel.cloudproxy.app/v4/", "my-project", spec.zone, spec.vm_name, 22) == (
+        f"wss://tunnel.cloudproxy.app/v4/connect?project=my-project&port=22&newWebsocket=True&zone={spec.zone}"
+        f"&instance={spec.vm_name}&interface=nic0"
+    )
 
 
 def test_a_dataset_in_a_bucket_names_the_runs_date_and_is_read_as_parquet_files():

@@ -48,7 +48,7 @@ def logins(monkeypatch):
 def test_serialize_round_trip_holds_plain_values_and_no_secret():
     trigger = SshReadyTrigger(
         ssh_conn_id="ssh", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, vm_name="vm", project_id="p",
-        zone="z", gcp_conn_id="gcp", poll_interval=5, deadline=1234.5, username="sa_1", proxy_command="gcloud ...",
+        zone="z", gcp_conn_id="gcp", poll_interval=5, deadline=1234.5, username="sa_1", iap={"gcp_conn_id": "gcp", "project": "p", "zone": "z", "instance": "vm", "port": 22},
         refused_until=99.0, first_refused=9.0, first_event_after=60,
     )
     classpath, kwargs = trigger.serialize()

@@ -20,7 +20,7 @@ from tests.plugins.test_spec import make_spec
 from tests.plugins.test_ssh_login_probe import FakeHook
 from tests.plugins.test_unreachable_bound import DagRun, StateStore
 
-TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "proxy_command": None}
+TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "iap": None}
 
 
 class FakeVm:

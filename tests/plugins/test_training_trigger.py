@@ -153,7 +153,7 @@ def test_serialize_round_trip():
     trigger = TrainingStatusTrigger(
         ssh_conn_id="ssh", host="10.0.0.2", host_keys={"ssh-ed25519": "AAAA"}, command="bash x", vm_name="vm",
         run_name="run", project_id="p", zone="z", gcp_conn_id="gcp", poll_interval=30, stall_timeout_seconds=900,
-        deadline=1234.5, username="sa_1", proxy_command="gcloud ...", unreachable_deadline=99.0, first_event_after=60,
+        deadline=1234.5, username="sa_1", iap={"gcp_conn_id": "gcp", "project": "p", "zone": "z", "instance": "vm", "port": 22}, unreachable_deadline=99.0, first_event_after=60,
         checkpoints_dir="gs://b/c", checkpoints_kept=2,
     )
     classpath, kwargs = trigger.serialize()

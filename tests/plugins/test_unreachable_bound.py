@@ -228,7 +228,7 @@ def test_wait_for_ssh_is_done_at_once_for_a_vm_gone_or_stopped(recoveries, monke
 
 # ----- the deferrable sensor: what it does with each event of its status trigger ------------------
 
-TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "proxy_command": None}
+TARGET = {"host": "10.0.0.2", "host_keys": {"ssh-ed25519": "AAAA"}, "username": None, "iap": None}
 
 
 @pytest.fixture

@@ -197,9 +197,9 @@ PARAMS: tuple[Declared, ...] = (
              "(when half of it has passed), so a leaked key stops working soon after the run.", VM,
              title="OS Login key lifetime (s)", minimum=20, maximum=24 * 3600),
     Declared("ssh_via_iap", "boolean", False,
-             "Reach the VM through an Identity-Aware Proxy tunnel (gcloud on Airflow's workers; the firewall "
-             "lets SSH in from 35.235.240.0/20 only). Needs the IAP-secured Tunnel User role. The VM gets no "
-             "external IP: its internet access needs Cloud NAT.", VM, title="SSH through IAP"),
+             "Reach the VM through an Identity-Aware Proxy tunnel, as the Google connection's account (the "
+             "firewall lets SSH in from 35.235.240.0/20 only). The account needs the IAP-secured Tunnel User "
+             "role. The VM gets no external IP: its internet access needs Cloud NAT.", VM, title="SSH through IAP"),
     # Model and data
     Declared("model_name", "string", "gemma3-4b",
              "The model to fine-tune, by its MaxText name, e.g. gemma3-4b; its weights come from the Hugging "

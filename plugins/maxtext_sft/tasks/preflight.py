@@ -280,6 +280,24 @@ def _shared_with(reservation: dict, project_id: str) -> bool:
     return True
 
 
+def check_iap(gcp_conn_id: str, spec: RunSpec) -> str:
+    """With ssh_via_iap: the Google connection has an identity that gets an access token, and it
+    holds the IAP tunnel permission on the project (cloud/iap_tunnel.py), before any VM."""
+    from maxtext_sft.cloud.iap_tunnel import TUNNEL_ROLE, IapTunnelHook, IapTunnelRefused
+
+    hook = IapTunnelHook(gcp_conn_id=gcp_conn_id)
+    try:
+        allowed = hook.may_tunnel(spec.project_id)
+    except (IapTunnelRefused, ValueError) as error:
+        raise PreflightFailed(str(error)) from None
+    if not allowed:
+        raise PreflightFailed(
+            f"{hook.identity()} (Google connection {gcp_conn_id!r}) may not tunnel to VMs of project "
+            f"{spec.project_id}: it needs the {TUNNEL_ROLE} role there (Param ssh_via_iap)"
+        )
+    return f"{hook.identity()} may tunnel to project {spec.project_id}'s VMs through {hook.endpoint}"
+
+
 def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
     if not spec.durable:
         return "no output_location: outputs stay on the VM until collect_outputs copies the export"
@@ -374,6 +392,7 @@ def run_preflight(
             else []
         ),
         ("network", lambda: check_network(compute, spec)),
+        *([("SSH through IAP", lambda: check_iap(gcp_conn_id, spec))] if spec.ssh_via_iap else []),
         ("output location", lambda: check_output_location(storage, spec)),
         ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
     ]

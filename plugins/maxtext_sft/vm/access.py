@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import shlex
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ from googleapiclient.errors import HttpError
 from airflow.sdk.exceptions import AirflowException
 from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 from maxtext_sft.cloud.hub import hf_token
+from maxtext_sft.cloud.iap_tunnel import iap_target
 from maxtext_sft.vm.ssh_common import HostKeyMismatch, LoginRefused
 from maxtext_sft.run.spec import RunSpec
 from maxtext_sft.vm.steps import STEPS, parse_results, remote_command, script_files
@@ -67,13 +67,12 @@ def vm_ssh_hook(spec: RunSpec, gcp_conn_id: str, ssh_conn_id: str, **kwargs) -> 
     from maxtext_sft.vm.ssh import VmSSHHook  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     target = ssh_target(spec, gcp_conn_id)
-    if target["proxy_command"]:
-        kwargs["host_proxy_cmd"] = target["proxy_command"]
     hook = VmSSHHook(
         ssh_conn_id=ssh_conn_id,
         remote_host=target["host"],
         host_keys=target["host_keys"],
         conn_timeout=spec.ssh_connect_timeout_seconds,
+        iap=target["iap"],
         **kwargs,
     )
     if target["username"]:
@@ -182,7 +181,8 @@ def ssh_target(
 ) -> dict[str, Any]:
     """Where and how to reach the VM now: {host, host_keys (the only ones to accept), username
     (OS Login's, else None: the connection's login), os_login (with the Param os_login, what a
-    trigger renews the key from: cloud/os_login.py; else None), proxy_command (IAP's, else None)}.
+    trigger renews the key from: cloud/os_login.py; else None), iap (with the Param ssh_via_iap, the
+    tunnel's target, cloud/iap_tunnel.py: it opens under the Google connection's identity; else None)}.
     With os_login the key is imported anew, valid for its whole lifetime (`caller`: who asks).
 
     Raises NotFound when the VM is gone, HostKeysNotPublished before its guest agent ran (without
@@ -205,16 +205,8 @@ def ssh_target(
         "host": address,
         "host_keys": keys,
         **login,
-        "proxy_command": iap_tunnel_command(spec) if spec.ssh_via_iap else None,
+        "iap": iap_target(gcp_conn_id, spec.project_id, spec.zone, spec.vm_name) if spec.ssh_via_iap else None,
     }
-
-
-def iap_tunnel_command(spec: RunSpec) -> str:
-    """gcloud's IAP TCP tunnel to the VM's port 22, as an SSH ProxyCommand (stdin/stdout)."""
-    return shlex.join([
-        "gcloud", "compute", "start-iap-tunnel", spec.vm_name, "22", "--listen-on-stdin",
-        f"--zone={spec.zone}", f"--project={spec.project_id}", "--verbosity=warning",
-    ])
 
 
 # A new VM's guest agent creates the user from the ssh-keys metadata shortly after sshd starts;

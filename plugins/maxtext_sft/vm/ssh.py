@@ -38,7 +38,8 @@ class VmSSHHook(SSHHook):
     """
 
     def __init__(
-        self, *, ssh_conn_id: str, remote_host: str, host_keys: Mapping[str, str], conn_timeout: int = 30, **kwargs
+        self, *, ssh_conn_id: str, remote_host: str, host_keys: Mapping[str, str], conn_timeout: int = 30,
+        iap: Mapping | None = None, **kwargs
     ):
         # Keepalives keep NAT and load balancers from dropping a connection that is silent for minutes.
         super().__init__(
@@ -61,10 +62,44 @@ class VmSSHHook(SSHHook):
             raise ValueError(f"no usable SSH host key for {remote_host} (got types {sorted(host_keys)})")
         # Paramiko asks the server for the type of the known key first, so one key is enough.
         self.host_key = self._host_key_mappings[kind](data=base64.b64decode(host_keys[kind]))
+        # With ssh_via_iap, each connection attempt goes through a tunnel of its own
+        # (cloud/iap_tunnel.py), under the Google connection's identity.
+        self.iap = dict(iap) if iap else None
+        self._tunnel = None
+
+    @property
+    def host_proxy(self):
+        """The socket the SSH client talks over: the IAP tunnel of the attempt under way, else
+        None (a direct connection). Replaces the provider's ProxyCommand."""
+        return self._tunnel
+
+    def _connect(self) -> paramiko.SSHClient:
+        """The provider's connection; through IAP, a new tunnel for each attempt (a socket that
+        failed once cannot carry the next), retried as the provider retries (every error, a few
+        seconds apart) but for IAP's refusal of the identity."""
+        if not self.iap:
+            return super().get_conn()
+        from maxtext_sft.cloud.iap_tunnel import open_tunnel
+
+        attempts, self.conn_retry_attempts = self.conn_retry_attempts, 1
+        try:
+            for attempt in range(attempts):
+                self._tunnel = open_tunnel(self.iap, timeout=self.conn_timeout or 30)
+                try:
+                    return super().get_conn()
+                except Exception:
+                    self._tunnel.close()
+                    if attempt == attempts - 1:
+                        raise
+                    self.log.info("Failed to connect through IAP. Retrying (attempt %d)", attempt + 2)
+                    time.sleep(3)
+        finally:
+            self.conn_retry_attempts = attempts
+        raise AssertionError("unreachable")
 
     def get_conn(self) -> paramiko.SSHClient:
         try:
-            return super().get_conn()
+            return self._connect()
         except paramiko.AuthenticationException as error:
             if any(sign in str(error) for sign in LOST_DURING_AUTHENTICATION):
                 # The VM went away (preempted, deleted) or froze mid-login: unreachable, not refused.

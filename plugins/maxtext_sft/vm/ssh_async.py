@@ -44,13 +44,13 @@ class VmSSHHookAsync(SSHHookAsync):
         host_keys: Mapping[str, str],
         username: str | None = None,
         connect_timeout: float = 30,
-        proxy_command: str | None = None,
+        iap: Mapping | None = None,
     ):
         super().__init__(ssh_conn_id=ssh_conn_id, host=host, username=username, keepalive_interval=30)
         self.pinned = pinned_known_hosts(host, host_keys)
         self.known_hosts = self.pinned
         self.connect_timeout = connect_timeout
-        self.proxy_command = proxy_command
+        self.iap = dict(iap) if iap else None  # cloud/iap_tunnel.py's target: SSH through IAP
 
     def _parse_extras(self, conn) -> None:
         """Only the key and its passphrase come from the connection's extras."""
@@ -84,6 +84,10 @@ class VmSSHHookAsync(SSHHookAsync):
                 options["passphrase"] = self.passphrase
         else:
             options["client_keys"] = None  # not the triggerer's ~/.ssh keys
-        if self.proxy_command:
-            options["proxy_command"] = self.proxy_command
+        if self.iap:
+            from maxtext_sft.cloud.iap_tunnel import open_tunnel
+
+            # Opened in a thread (a token refresh and a WebSocket handshake block), under the
+            # Google connection's identity, in the triggerer itself: no gcloud there.
+            options["sock"] = await asyncio.to_thread(open_tunnel, self.iap, self.connect_timeout)
         return await asyncio.wait_for(asyncssh.connect(**options), self.connect_timeout)

@@ -46,7 +46,7 @@ def vm_ssh_kwargs(
     spec, target: dict[str, Any], *, ssh_conn_id: str, gcp_conn_id: str, poll_interval: float, first_event_after: float
 ) -> dict[str, Any]:
     """A VmSshTrigger's arguments for `spec`'s VM (a RunSpec): `target` (vm.access.ssh_target's host,
-    host_keys: the only ones accepted; username, os_login, proxy_command), its connections, its pace."""
+    host_keys: the only ones accepted; username, os_login, iap), its connections, its pace."""
     return {
         "ssh_conn_id": ssh_conn_id,
         **target,
@@ -85,7 +85,7 @@ class VmSshTrigger(HeldEventTrigger):
         deadline: float,
         username: str | None = None,
         os_login: dict[str, Any] | None = None,
-        proxy_command: str | None = None,
+        iap: dict[str, Any] | None = None,
         connect_timeout: float = 30,
         command_timeout: float = 120,
         first_poll_after: float | None = None,
@@ -103,7 +103,7 @@ class VmSshTrigger(HeldEventTrigger):
         self.deadline = float(deadline)
         self.username = username
         self.os_login = dict(os_login) if os_login else None  # the imported key's renewal (cloud/os_login.py)
-        self.proxy_command = proxy_command
+        self.iap = dict(iap) if iap else None  # the IAP tunnel's target (cloud/iap_tunnel.py), no secret
         self.connect_timeout = float(connect_timeout)
         self.command_timeout = float(command_timeout)
         self.first_poll_after = self.poll_interval if first_poll_after is None else float(first_poll_after)
@@ -123,7 +123,7 @@ class VmSshTrigger(HeldEventTrigger):
             "deadline": self.deadline,
             "username": self.username,
             "os_login": self.os_login,
-            "proxy_command": self.proxy_command,
+            "iap": self.iap,
             "connect_timeout": self.connect_timeout,
             "command_timeout": self.command_timeout,
             "first_poll_after": self.first_poll_after,
@@ -140,7 +140,7 @@ class VmSshTrigger(HeldEventTrigger):
             host_keys=self.host_keys if host_keys is None else host_keys,
             username=self.username,
             connect_timeout=self.connect_timeout,
-            proxy_command=self.proxy_command,
+            iap=self.iap,
         )
 
     async def _renew_os_login_key(self) -> None:
