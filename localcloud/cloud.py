@@ -252,7 +252,7 @@ class LocalCloud:
 
     def iap_requests(self) -> list[dict]:
         """The relay's log: [{caller (a token's service account, None without one), project, zone,
-        instance, port, interface, outcome ("connected", a close code, or 401)}]."""
+        instance, port, interface, user_agent, outcome ("connected", a close code, or 401)}]."""
         return self._control("GET", "iap/requests")
 
     def oslogin_requests(self) -> list[dict]:

@@ -3,10 +3,11 @@
 These are the only things that differ from a Google Cloud deployment: the Compute, Storage,
 OS Login and Resource Manager API endpoints and IAP's relay (the connection extras
 `compute_api_endpoint`, `storage_api_endpoint`, `oslogin_api_endpoint`,
-`resourcemanager_api_endpoint`, `iap_tunnel_endpoint`), anonymous credentials (so the OS Login account is named: extra
-`os_login_account`), the VM login key, a local Hugging Face token and the local Hub's endpoint (extra
-`endpoint`). They are given as AIRFLOW_CONN_* environment variables, the way a deployment
-gives them.
+`resourcemanager_api_endpoint`, `iap_tunnel_endpoint`), a service-account key whose `token_uri`
+is the local cloud's token endpoint, the trust of the IAP relay's certificate (`SSL_CERT_FILE`,
+as for a company's TLS-inspecting proxy), the VM login key, a local Hugging Face token and the
+local Hub's endpoint (extra `endpoint`). They are given as AIRFLOW_CONN_* environment variables,
+the way a deployment gives them.
 """
 
 from __future__ import annotations
@@ -138,16 +139,15 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
         "conn_type": "google_cloud_platform",
         "extra": {
             "project": LOCAL_PROJECT,
-            "is_anonymous": True,
+            # A service-account key of the local cloud (its token_uri the local token endpoint): the
+            # credentials refresh as a deployment's key does, and have an identity IAP can check.
+            "keyfile_dict": json.dumps(cloud.add_service_account(LOCAL_SERVICE_ACCOUNT)),
             "compute_api_endpoint": cloud.compute_endpoint,
             "storage_api_endpoint": cloud.storage_endpoint,
             "oslogin_api_endpoint": cloud.oslogin_endpoint,
-            # SSH through IAP (Param ssh_via_iap; it needs an identity: anonymous credentials are
-            # refused, tests give the connection a service-account key of the local cloud).
+            # SSH through IAP (Param ssh_via_iap; the account holds no tunnel role until a test grants it).
             "iap_tunnel_endpoint": cloud.iap_tunnel_endpoint,
             "resourcemanager_api_endpoint": cloud.resourcemanager_endpoint,
-            # Anonymous credentials have no email: the account whose OS Login profile gets the key.
-            "os_login_account": LOCAL_SERVICE_ACCOUNT,
         },
     }
     vm_ssh = {
@@ -164,6 +164,9 @@ def airflow_connection_env(cloud, ssh_private_key: str, hf_token: str) -> dict[s
         # The local Hub stores LFS files but has no Xet storage: huggingface_hub then uploads the
         # classic way (a documented huggingface_hub setting; read when it is imported).
         "HF_HUB_DISABLE_XET": "1",
+        # The IAP relay's certificate is its own CA (localcloud/iap/relay.py): trusted by OpenSSL's
+        # default verify paths, which Python's default TLS context (the tunnel's) reads.
+        "SSL_CERT_FILE": cloud.iap_tunnel_ca_file,
     }
 
 # The bare image (no MaxText: install_maxtext.sh installs the stand-in for real, offline) under a

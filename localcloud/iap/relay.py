@@ -170,7 +170,8 @@ class Relay:
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         project, zone, instance = query.get("project", ""), query.get("zone", ""), query.get("instance", "")
         entry = {"path": url.path, "caller": email, "project": project, "zone": zone, "instance": instance,
-                 "port": query.get("port"), "interface": query.get("interface")}
+                 "port": query.get("port"), "interface": query.get("interface"),
+                 "user_agent": connection.request.headers.get("User-Agent", "")}
         if url.path.rstrip("/") != "/v4/connect":
             return self._refuse(connection, entry, LOOKUP_FAILED)
         if not self.policy.allows(project, email):

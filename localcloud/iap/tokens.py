@@ -46,18 +46,26 @@ def _refusal(error: str, description: str) -> tuple[int, dict]:
     return 400, {"error": error, "error_description": description}
 
 
+def _signed_by(key, signature: bytes, signed: bytes) -> bool:
+    try:
+        key.verify(signature, signed, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        return False
+    return True
+
+
 class TokenIssuer:
     """Service accounts' public keys (by email) and the tokens issued to them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: dict[str, object] = {}
+        self._keys: dict[str, list] = {}  # an account may have several keys, as on Google Cloud
         self._tokens: dict[str, tuple[str, float]] = {}  # token -> (email, expires at)
 
     def add_service_account(self, email: str, public_key_pem: str) -> dict:
         key = serialization.load_pem_public_key(public_key_pem.encode())
         with self._lock:
-            self._keys[email] = key
+            self._keys.setdefault(email, []).append(key)
         return {"email": email}
 
     def grant(self, form_body: bytes) -> tuple[int, dict]:
@@ -73,14 +81,12 @@ class TokenIssuer:
         except ValueError:  # no signature that could verify
             return _refusal("invalid_grant", "Invalid JWT Signature.")
         with self._lock:
-            key = self._keys.get(claims.get("iss", ""))
-        if key is None:
+            keys = list(self._keys.get(claims.get("iss", ""), ()))
+        if not keys:
             return _refusal("invalid_grant", "Invalid grant: account not found")
-        if header.get("alg") != "RS256":
-            return _refusal("invalid_grant", "Invalid JWT Signature.")
-        try:
-            key.verify(signature, f"{header_b64}.{claims_b64}".encode(), padding.PKCS1v15(), hashes.SHA256())
-        except InvalidSignature:
+        if header.get("alg") != "RS256" or not any(
+            _signed_by(key, signature, f"{header_b64}.{claims_b64}".encode()) for key in keys
+        ):
             return _refusal("invalid_grant", "Invalid JWT Signature.")
         now = time.time()
         issued, expires = claims.get("iat", 0), claims.get("exp", 0)

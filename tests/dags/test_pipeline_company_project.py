@@ -8,36 +8,27 @@ both cases first (tests/dags/test_preflight.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from localcloud.connections import LOCAL_PROJECT
+from localcloud.connections import LOCAL_PROJECT, LOCAL_SERVICE_ACCOUNT
 
 pytestmark = pytest.mark.e2e
 HOST = "local-vpc-host"  # the Shared VPC's host project
 OWNER = "local-capacity"  # the project that bought the reservation
 ZONE = "us-east5-b"
-RUNS_ACCOUNT = "airflow-runs@local-project.iam.gserviceaccount.com"
 
 
 @pytest.fixture
-def google_connection_with_a_key(local_cloud, pipeline_connections, monkeypatch):
-    """The Google connection with a service-account key (the local cloud's token endpoint in its
-    token_uri) instead of anonymous credentials; the account may tunnel through IAP, and the
-    relay's certificate is trusted as a company's proxy CA would be (SSL_CERT_FILE)."""
-    google = json.loads(pipeline_connections["AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT"])
-    extra = {k: v for k, v in google["extra"].items() if k not in ("is_anonymous", "os_login_account")}
-    extra["keyfile_dict"] = json.dumps(local_cloud.add_service_account(RUNS_ACCOUNT))
-    monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps({**google, "extra": extra}))
-    monkeypatch.setenv("SSL_CERT_FILE", local_cloud.iap_tunnel_ca_file)
-    local_cloud.grant_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{RUNS_ACCOUNT}")
+def runs_account_may_tunnel(local_cloud, pipeline_connections):
+    """The Google connection's service account (localcloud/connections.py) gets the IAP-secured
+    Tunnel User role on the run's project, as a company grants it to its Airflow's account."""
+    local_cloud.grant_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{LOCAL_SERVICE_ACCOUNT}")
     yield
-    local_cloud.revoke_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{RUNS_ACCOUNT}")
+    local_cloud.revoke_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{LOCAL_SERVICE_ACCOUNT}")
 
 
 def test_a_run_on_a_shared_vpc_and_a_shared_reservation_through_iap_succeeds_reading_each_where_it_lives(
-    run_pipeline, local_cloud, google_connection_with_a_key
+    run_pipeline, local_cloud, runs_account_may_tunnel
 ):
     local_cloud.add_network("team-vpc", project=HOST, subnetworks={"team-tpu": "10.40.0.0/24"})
     local_cloud.add_reservation("team-v6e", 1, zone=ZONE, project=OWNER, shared_with=(LOCAL_PROJECT,))
@@ -61,8 +52,8 @@ def test_a_run_on_a_shared_vpc_and_a_shared_reservation_through_iap_succeeds_rea
     # Every SSH connection of the run, the workers' steps and the triggers' polls, went through
     # IAP as the connection's account; preflight asked IAM before the VM was made.
     tunnels = [e for e in local_cloud.iap_requests() if e.get("project") == LOCAL_PROJECT]
-    assert len(tunnels) >= 5 and {(e["caller"], e["outcome"]) for e in tunnels} == {(RUNS_ACCOUNT, "connected")}
-    assert f"Preflight SSH through IAP: {RUNS_ACCOUNT} may tunnel to project {LOCAL_PROJECT}'s VMs" in run.log
+    assert len(tunnels) >= 5 and {(e["caller"], e["outcome"]) for e in tunnels} == {(LOCAL_SERVICE_ACCOUNT, "connected")}
+    assert f"Preflight SSH through IAP: {LOCAL_SERVICE_ACCOUNT} may tunnel to project {LOCAL_PROJECT}'s VMs" in run.log
     # Preflight read the network and subnetwork in the host project, and the reservation in its
     # owner's, before anything was paid for; the capacity gate read the owner's too.
     assert f"Preflight network: network team-vpc in project {HOST}, subnetwork team-tpu (10.40.0.0/24)" in run.log

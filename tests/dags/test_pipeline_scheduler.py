@@ -311,3 +311,26 @@ def test_with_airflow_dead_the_vm_stops_itself_after_its_training_and_a_returnin
     export_log = json.dumps(airflow.task_log(run_id, "export_to_hf"))
     assert "Made VM" in export_log  # the stopped VM was replaced by the step that needed one
 
+
+
+@SHARED_AIRFLOW_GROUP
+def test_through_iap_the_workers_and_the_triggerer_reach_the_vm_as_the_connections_account(shared_airflow, local_cloud):
+    """With ssh_via_iap, Airflow's real components reach the VM through IAP: the workers' steps and
+    the triggerer's waits each open their tunnel in their own process, under the Google connection's
+    service account (no gcloud on either; cloud/iap_tunnel.py)."""
+    from localcloud.connections import LOCAL_PROJECT, LOCAL_RUN_CONF, LOCAL_SERVICE_ACCOUNT
+
+    airflow = shared_airflow
+    member = f"serviceAccount:{LOCAL_SERVICE_ACCOUNT}"
+    local_cloud.grant_iap_tunnel_user(LOCAL_PROJECT, member)
+    try:
+        run_id = airflow.trigger({**LOCAL_RUN_CONF, "steps": 4, "ssh_via_iap": True})
+        final = wait_for_run_end(airflow, run_id, timeout=300)
+    finally:
+        local_cloud.revoke_iap_tunnel_user(LOCAL_PROJECT, member)
+    assert final["state"] == "success", airflow.task_states(run_id)
+    assert local_cloud.vms() == []
+    vm_name = airflow.xcom(run_id, "plan_run", "spec")["vm_name"]
+    tunnels = [e for e in local_cloud.iap_requests() if e.get("instance") == vm_name]
+    assert {(e["caller"], e["outcome"]) for e in tunnels} == {(LOCAL_SERVICE_ACCOUNT, "connected")}, tunnels
+    assert {e["user_agent"] for e in tunnels} == {"maxtext-sft-worker", "maxtext-sft-triggerer"}, tunnels

@@ -36,13 +36,14 @@ def google_connection(local_cloud, key: dict) -> str:
 
 @pytest.fixture(scope="module")
 def identities(pipeline_connections, local_cloud):
-    """Connections `gcp_tunnel_user` (its account holds the Tunnel User role) and `gcp_outsider`;
-    the relay's certificate trusted as a company's proxy CA would be (SSL_CERT_FILE)."""
+    """Connections `gcp_tunnel_user` (its account holds the Tunnel User role), `gcp_outsider` and
+    `gcp_anonymous` (the relay's certificate is trusted through the local connections' SSL_CERT_FILE)."""
     mp = pytest.MonkeyPatch()
     for conn_id, email in (("gcp_tunnel_user", TUNNEL_USER), ("gcp_outsider", OUTSIDER)):
         mp.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", google_connection(local_cloud, local_cloud.add_service_account(email)))
+    mp.setenv("AIRFLOW_CONN_GCP_ANONYMOUS", json.dumps({"conn_type": "google_cloud_platform", "extra": {
+        "project": LOCAL_PROJECT, "is_anonymous": True, "iap_tunnel_endpoint": local_cloud.iap_tunnel_endpoint}}))
     local_cloud.grant_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{TUNNEL_USER}")
-    mp.setenv("SSL_CERT_FILE", local_cloud.iap_tunnel_ca_file)
     yield
     local_cloud.revoke_iap_tunnel_user(LOCAL_PROJECT, f"serviceAccount:{TUNNEL_USER}")
     mp.undo()
@@ -97,9 +98,9 @@ def test_iap_refusing_the_identity_fails_naming_the_role_and_the_account(vm):
     spec, _, _ = vm
     with pytest.raises(IapTunnelRefused, match=rf"4033: 'not authorized'.*{OUTSIDER} needs the IAP-secured Tunnel User"):
         open_tunnel(iap_target("gcp_outsider", spec.project_id, spec.zone, spec.vm_name), timeout=20)
-    # The local Google connection is anonymous: it has no token to give.
+    # Anonymous credentials have no token to give.
     with pytest.raises(IapTunnelRefused, match="anonymous: SSH through IAP needs an identity"):
-        open_tunnel(iap_target("google_cloud_default", spec.project_id, spec.zone, spec.vm_name), timeout=20)
+        open_tunnel(iap_target("gcp_anonymous", spec.project_id, spec.zone, spec.vm_name), timeout=20)
 
 
 def test_a_vm_that_is_not_there_yet_is_unreachable_not_refused(vm):
@@ -115,4 +116,4 @@ def test_preflight_asks_iam_whether_the_connection_may_tunnel_before_any_vm(vm):
     with pytest.raises(PreflightFailed, match=rf"{OUTSIDER} .* may not tunnel .* IAP-secured Tunnel User"):
         check_iap("gcp_outsider", spec)
     with pytest.raises(PreflightFailed, match="is anonymous"):
-        check_iap("google_cloud_default", spec)
+        check_iap("gcp_anonymous", spec)

@@ -74,10 +74,12 @@ def tunnel_url(endpoint: str, project: str, zone: str, instance: str, port: int)
 
 
 class IapTunnelHook(GoogleBaseHook):
-    """Opens tunnels to a VM's port through IAP with the Google connection's credentials."""
+    """Opens tunnels to a VM's port through IAP with the Google connection's credentials. `caller`
+    names who asks ("worker" or "triggerer") in the User-Agent, for the relay's logs."""
 
-    def __init__(self, gcp_conn_id: str = "google_cloud_default", **kwargs):
+    def __init__(self, gcp_conn_id: str = "google_cloud_default", *, caller: str = "worker", **kwargs):
         super().__init__(gcp_conn_id=gcp_conn_id, **kwargs)
+        self.caller = caller
 
     @cached_property
     def endpoint(self) -> str:
@@ -149,6 +151,7 @@ class IapTunnelHook(GoogleBaseHook):
             websocket = connect(
                 url, additional_headers={"Authorization": f"Bearer {token}"}, subprotocols=[SUBPROTOCOL],
                 origin=ORIGIN, open_timeout=timeout, compression=None, max_size=None, ping_interval=None,
+                user_agent_header=f"maxtext-sft-{self.caller}",
             ).__enter__()
         except InvalidStatus as error:
             status = error.response.status_code
@@ -224,8 +227,8 @@ def iap_target(gcp_conn_id: str, project: str, zone: str, instance: str, port: i
     return {"gcp_conn_id": gcp_conn_id, "project": project, "zone": zone, "instance": instance, "port": port}
 
 
-def open_tunnel(target: dict, timeout: float = 30) -> socket.socket:
+def open_tunnel(target: dict, timeout: float = 30, caller: str = "worker") -> socket.socket:
     """IapTunnelHook.open for an `iap_target`."""
-    hook = IapTunnelHook(gcp_conn_id=target["gcp_conn_id"])
+    hook = IapTunnelHook(gcp_conn_id=target["gcp_conn_id"], caller=caller)
     return hook.open(project=target["project"], zone=target["zone"], instance=target["instance"],
                      port=int(target.get("port", 22)), timeout=timeout)

@@ -89,5 +89,5 @@ class VmSSHHookAsync(SSHHookAsync):
 
             # Opened in a thread (a token refresh and a WebSocket handshake block), under the
             # Google connection's identity, in the triggerer itself: no gcloud there.
-            options["sock"] = await asyncio.to_thread(open_tunnel, self.iap, self.connect_timeout)
+            options["sock"] = await asyncio.to_thread(open_tunnel, self.iap, self.connect_timeout, "triggerer")
         return await asyncio.wait_for(asyncssh.connect(**options), self.connect_timeout)
