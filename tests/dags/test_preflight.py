@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import subprocess
+import tempfile
 
 import pytest
 
@@ -22,6 +24,7 @@ class Case:
     token: str | None = None  # "invalid": unknown to the Hub; "no-licence": a user without the model's grant;
     # "read-only": a read token of the team that holds the licence (it may read all but not publish)
     cause: str = ""
+    small_tmpdir: bool = False  # the worker's temporary folder on a 1 MB file system
 
 
 CASES = [
@@ -83,6 +86,17 @@ CASES = [
     Case("network missing", {"network": "no-such-vpc"}, cause="network no-such-vpc in project local-project does not exist"),
     Case("output location not writable", {"output_location": "gs://no-such-bucket/runs"}, cause="is not writable"),
     Case(
+        "worker's temporary folder too small for the export's largest file, with a repo to publish to",
+        {"hub_repo_id": f"{LOCAL_HUB_USER}/preflight-small-tmp"},
+        small_tmpdir=True,
+        cause="of the export's largest file, which publish_to_hub fetches there before uploading it",
+    ),
+    Case(
+        "SSH through IAP, the connection's account without the tunnel role",
+        {"ssh_via_iap": True},
+        cause="may not tunnel to VMs of project local-project: it needs the IAP-secured Tunnel User",
+    ),
+    Case(
         "no room for a real gemma3-4b on the boot disk and in /dev/shm",
         {"boot_disk_size_gb": 40, "checkpoint_period": 10, "steps": 1000},
         cause="room: the boot disk of 40 GB cannot hold 50.6 GB",
@@ -122,8 +136,21 @@ def reservations(local_cloud, pipeline_connections):
     compute.delete_instance(resource_id="preflight-holder", **where)
 
 
+@pytest.fixture
+def small_tmpdir(tmp_path, monkeypatch):
+    """Python's temporary folder (tempfile.tempdir) on a 1 MB tmpfs, as a worker with little room."""
+    folder = tmp_path / "small-tmp"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_preflight_stops_the_run_before_any_vm(case, reservations, run_pipeline, local_cloud, monkeypatch):
+def test_preflight_stops_the_run_before_any_vm(case, reservations, run_pipeline, local_cloud, monkeypatch, request):
+    if case.small_tmpdir:
+        request.getfixturevalue("small_tmpdir")
     if case.token:
         token = f"hf_preflight{secrets.token_hex(12)}"
         if case.token == "no-licence":

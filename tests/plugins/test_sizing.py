@@ -87,6 +87,16 @@ def test_the_worker_must_have_room_for_the_export_it_copies():
     assert "fits" in check_room(spec_of(output_location="gs://team/sft"), worker_free_bytes=None)
 
 
+def test_the_worker_that_publishes_must_have_room_for_the_largest_file_it_fetches():
+    # gemma3-4b's export is 7.8 GB; MaxText shards it at 3 GiB, the most publish_to_hub holds at once.
+    publishing = spec_of(output_location="gs://team/sft", hub_repo_id="team/gemma-sft")
+    with pytest.raises(PreflightFailed, match=r"temporary folder .* has 2\.0 GB free, not the 3\.2 GB of the export's largest file"):
+        check_room(publishing, worker_free_bytes=None, publish_free_bytes=2 * GB)
+    assert "fits" in check_room(publishing, worker_free_bytes=None, publish_free_bytes=4 * GB)
+    # A run that does not publish fetches nothing there.
+    assert "fits" in check_room(spec_of(output_location="gs://team/sft"), worker_free_bytes=None, publish_free_bytes=0)
+
+
 def test_a_model_without_a_known_shape_is_not_checked():
     assert "not checked" in check_room(spec_of(model_name="llama3.1-8b"), worker_free_bytes=0)
 

@@ -24,6 +24,9 @@ TRAINING_CHECKPOINT_BYTES_PER_PARAMETER = FP32_BYTES * 3
 # here (localcloud's real image); a TPU venv swaps torch's CPU wheel for libtpu and vLLM's TPU
 # packages, so it is given room to be larger.
 MAXTEXT_VENV_BYTES = 12 * GB
+# MaxText 0.2.2 writes an export above this size in shards of at most this size
+# (maxtext/checkpoint_conversion/utils/utils.py, DEFAULT_MAX_SHARD_SIZE).
+MAXTEXT_MAX_SHARD_BYTES = 3 * 1024**3
 # The boot image itself (Ubuntu with the TPU drivers) and the OS's own use of the disk; Compute
 # Engine refuses a boot disk smaller than the image, so this only has to leave the OS room to work.
 OS_ALLOWANCE_BYTES = 30 * GB
@@ -112,6 +115,7 @@ class RunSizes:
     converted_checkpoint: int  # to_maxtext, bf16, text only
     training_checkpoint: int  # one step: float32 weights plus AdamW's two moments
     export: int  # to_huggingface weight_dtype=bfloat16, text only
+    largest_export_file: int  # the largest file of the export: one shard at most
 
     @classmethod
     def of(cls, shape: Gemma3Shape) -> RunSizes:
@@ -123,6 +127,9 @@ class RunSizes:
             converted_checkpoint=text * BF16_BYTES,
             training_checkpoint=text * TRAINING_CHECKPOINT_BYTES_PER_PARAMETER,
             export=text * BF16_BYTES,
+            # Every Gemma 3 tensor (the largest, the embedding, 1.3 GB for gemma3-4b) is under the
+            # shard size, so no shard exceeds it.
+            largest_export_file=min(text * BF16_BYTES, MAXTEXT_MAX_SHARD_BYTES),
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -311,12 +312,15 @@ def check_output_location(storage: StorageEndpointHook, spec: RunSpec) -> str:
     return f"output_location {spec.output_location} is writable"
 
 
-def check_room(spec: RunSpec, *, worker_free_bytes: int | None) -> str:
+def check_room(spec: RunSpec, *, worker_free_bytes: int | None, publish_free_bytes: int | None = None) -> str:
     """What the run writes fits where it writes it, at the real model's size (see run/sizing.py):
     the VM's boot disk (the Hub download, the MaxText venv, the OS), its /dev/shm (the tutorial's
     scratch: the export always, the conversion and every training checkpoint when they stay on the
-    VM) and, without an output location, the worker's local_output_dir (the export, copied there).
-    `worker_free_bytes`: free space of that folder's file system (None: not checked)."""
+    VM), without an output location the worker's local_output_dir (the export, copied there), and
+    with hub_repo_id the worker's temporary folder (publish_to_hub fetches one file of the export at
+    a time there: the largest must fit). `worker_free_bytes`, `publish_free_bytes`: free space of
+    those folders' file systems (None: not checked). Workers of one deployment are alike: this
+    worker's room stands for the one that copies or publishes."""
     sizes = run_sizes(spec.model_name)
     if sizes is None:
         return f"sizes not checked: no shape known for model {spec.model_name} (sizing.MODEL_SHAPES)"
@@ -351,6 +355,12 @@ def check_room(spec: RunSpec, *, worker_free_bytes: int | None) -> str:
             f"the worker's local_output_dir has {gb(worker_free_bytes)} free, not the {gb(sizes.export)} of the "
             "export collect_outputs copies there: set output_location, or [maxtext_sft] local_output_dir to a "
             "larger file system"
+        )
+    if spec.hub_repo_id and publish_free_bytes is not None and sizes.largest_export_file > publish_free_bytes:
+        problems.append(
+            f"the worker's temporary folder ({tempfile.gettempdir()}) has {gb(publish_free_bytes)} free, not the "
+            f"{gb(sizes.largest_export_file)} of the export's largest file, which publish_to_hub fetches there before "
+            "uploading it: give the workers a larger TMPDIR"
         )
     if problems:
         raise PreflightFailed("; ".join(problems))
@@ -394,7 +404,10 @@ def run_preflight(
         ("network", lambda: check_network(compute, spec)),
         *([("SSH through IAP", lambda: check_iap(gcp_conn_id, spec))] if spec.ssh_via_iap else []),
         ("output location", lambda: check_output_location(storage, spec)),
-        ("room", lambda: check_room(spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()))),
+        ("room", lambda: check_room(
+            spec, worker_free_bytes=None if spec.durable else free_bytes(local_output_dir()),
+            publish_free_bytes=free_bytes(Path(tempfile.gettempdir())) if spec.hub_repo_id else None,
+        )),
     ]
     found, failures = [], []
     token_invalid = False
