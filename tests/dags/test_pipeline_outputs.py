@@ -140,6 +140,7 @@ def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_sa
     assert sorted(index["weight_map"]) == ["model.embed_tokens.weight", *(
         f"model.layers.{i}.self_attn.q_proj.weight" for i in range(4)), "model.norm.weight"]
     record = run.xcoms["collect_outputs.return_value"]
+    assert record["hf_export_architecture"] == "Gemma3ForCausalLM"
     assert [(fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]] == [
         ("hidden_activation", "gelu", "gelu_pytorch_tanh"), ("rope_theta", 10_000.0, 1_000_000.0)]
     assert record["export_config_corrections"][0]["source"] == "AI-Hypercomputer/maxtext#2867"
@@ -148,6 +149,7 @@ def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_sa
     card = Path(hub.hf_hub_download(HUB_REPO, "README.md")).read_text()
     assert "| config.json corrected | MaxText 0.2.2 exported `hidden_activation` 'gelu' -> 'gelu_pytorch_tanh' " \
            "(AI-Hypercomputer/maxtext#2867);" in card
+    assert "| Architecture | `Gemma3ForCausalLM`, Gemma 3's text model" in card
 
 
 def test_an_export_config_nobody_knows_is_wrong_fails_before_publishing(run_pipeline, hub, local_cloud):
