@@ -34,7 +34,8 @@ TEXT_ARCHITECTURE = "Gemma3ForCausalLM"
 TEXT_MODEL_TYPE = "gemma3_text"
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
-# The tensors only a multimodal Gemma 3 has (param_mapping.py: the vision tower, the projector).
+# The tensors only a multimodal Gemma 3 has: the vision tower and the projector (param_mapping.py's
+# names, and transformers' older top-level ones).
 VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 # Top-level fields of the multimodal config that the text model keeps: the dtype, and the token
 # ids generation stops on (its eos_token_id [1, 106] ends a chat turn; the text config says 1).
@@ -115,7 +116,8 @@ def main(folder):
         print(f"Architecture: {', '.join(config.get('architectures') or ['not named'])}, left as it is")
         return
     index = folder / INDEX_FILE
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    index_json = json.loads(index.read_text()) if index.exists() else None
+    weight_map = index_json["weight_map"] if index_json else None
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
     headers = {name: read_header(folder / name) for name in files}
     names = [name for header, _ in headers.values() for name in header if name != "__metadata__"]
@@ -127,7 +129,6 @@ def main(folder):
         if any(renamed(tensor) != tensor for tensor in header):
             rename_tensors(folder / name, header, data_start)
     if weight_map and any(renamed(tensor) != tensor for tensor in weight_map):
-        index_json = json.loads(index.read_text())
         mapping = rename_all(weight_map)
         index_json["weight_map"] = {mapping[tensor]: shard for tensor, shard in weight_map.items()}
         write_json(index, index_json)
