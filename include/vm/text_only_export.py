@@ -14,8 +14,8 @@ model.X (in each safetensors header and in the index's weight_map), the names
 Gemma3ForCausalLM loads. An export with vision tensors, or any other model's, is left as it is.
 
 A file of its own rather than a heredoc in export_to_hf.sh: it is the longest step of that
-script, and tests run it alone. Standard library only (the MaxText venv has no torch
-requirement here): a safetensors file is an 8-byte little-endian header length, a JSON header
+script, and tests run it alone. Standard library only (neither torch nor safetensors needed):
+a safetensors file is an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, data_offsets relative to the data's start; "__metadata__" optional),
 then the data, so renaming rewrites the header and copies the data bytes unchanged. Each file
 is written beside itself and renamed over it; config.json goes last, so a run stopped half way

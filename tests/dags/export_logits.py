@@ -21,6 +21,7 @@ positions and segment ids, against AutoModelForCausalLM's logits on the same ids
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 
@@ -52,7 +53,6 @@ AS_MAXTEXT_WROTE = {"hidden_activation": "gelu", "rope_theta": 10_000.0}
 FORWARD_ARGS = [
     "dtype=float32", "weight_dtype=float32", "matmul_precision=highest", "attention=dot_product",
     "per_device_batch_size=1", "hardware=cpu", "skip_jax_distributed_system=true", "enable_checkpointing=False",
-    "run_name=export_logits", "base_output_directory=/tmp/export_logits",
 ]
 
 
@@ -62,14 +62,11 @@ def published_name(name):
 
 def read_export(folder):
     """Every tensor of the export (numpy; bfloat16 as ml_dtypes'), by name."""
-    index = folder + "/model.safetensors.index.json"
-    try:
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    except FileNotFoundError:
-        files = ["model.safetensors"]
+    index = Path(folder) / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     tensors = {}
     for name in files:
-        tensors.update(load_file(f"{folder}/{name}"))
+        tensors.update(load_file(Path(folder) / name))
     return tensors
 
 
