@@ -2,6 +2,7 @@
 # Tutorial step 5: convert the final MaxText checkpoint back to Hugging Face format, and with
 # UPLOAD_URI (gs://...) upload the result there (next to the run's checkpoints).
 # Safe to run twice: the export is rewritten from the same checkpoint and the upload is a sync.
+# A text-only Gemma 3 export becomes Gemma 3's text model (text_only_export.py, beside this file).
 # Prints "MAXTEXT_SFT_RESULT hf_export=PATH_OR_URI".
 # Usage: export_to_hf.sh WORK_DIR CHECKPOINT_PATH OUTPUT_DIR UPLOAD_URI|"" [MAXTEXT_ARG...]
 #        (HF token on stdin or in HF_TOKEN)
@@ -63,6 +64,11 @@ elif (folder / "model.safetensors.index.json").exists():
 else:
     fail("wrote neither model.safetensors nor model.safetensors.index.json")
 PY
+# A text-only fine-tune of Gemma 3 (use_multimodal=False) is exported as the multimodal model
+# without its vision tower: published as Gemma 3's text model instead, config and tensor names
+# rewritten here, so storage, the Hub and every loader get the same complete model. After the
+# check (it reads the files the check found); before the upload.
+python3 "$(dirname "$0")/text_only_export.py" "$output_dir"
 echo "Exported Hugging Face model to $output_dir:"
 ls -l "$output_dir"
 if [ -z "$upload_uri" ]; then

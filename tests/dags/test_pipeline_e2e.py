@@ -124,7 +124,8 @@ def test_without_an_output_location_the_export_is_copied_off_the_vm(happy_run):
     assert "final training loss" in (export / "README.md").read_text()
     assert json.loads((export.parent / "run-record.json").read_text())["run_id"] == run.run_id
     # The worker's copy of MaxText's config.json was corrected where it lies (no bucket here).
-    assert json.loads((export / "config.json").read_text())["text_config"]["hidden_activation"] == "gelu_pytorch_tanh"
+    config = json.loads((export / "config.json").read_text())
+    assert (config["architectures"], config["hidden_activation"]) == (["Gemma3ForCausalLM"], "gelu_pytorch_tanh")
     assert [fix["field"] for fix in record["export_config_corrections"]] == ["hidden_activation", "rope_theta"]
     assert "the checkpoints were not durable" in run.log
     assert run.task_states["publish_to_hub"] == "success"  # nothing to publish: no hub_repo_id

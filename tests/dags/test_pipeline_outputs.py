@@ -129,12 +129,18 @@ def test_the_hub_repo_has_one_commit_with_the_export_and_the_card(durable_run, h
 
 def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_says_so(durable_run, hub, bucket):
     # MaxText 0.2.2 exports gemma3-4b's text config with "gelu" (the stand-in too): collect_outputs
-    # corrected it in the bucket before publishing, and the card and the record name the fix.
+    # corrected it in the bucket before publishing, and the card and the record name the fix. The
+    # config is the text model's: export_to_hf published the text-only export as Gemma3ForCausalLM.
     run, _ = durable_run
     config = json.loads(Path(hub.hf_hub_download(HUB_REPO, "config.json")).read_text())
-    assert config["text_config"]["hidden_activation"] == "gelu_pytorch_tanh"
-    assert config["text_config"]["rope_parameters"]["full_attention"]["rope_theta"] == 1_000_000.0
+    assert (config["architectures"], config["model_type"]) == (["Gemma3ForCausalLM"], "gemma3_text")
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1_000_000.0
+    index = json.loads(Path(hub.hf_hub_download(HUB_REPO, "model.safetensors.index.json")).read_text())
+    assert sorted(index["weight_map"]) == ["model.embed_tokens.weight", *(
+        f"model.layers.{i}.self_attn.q_proj.weight" for i in range(4)), "model.norm.weight"]
     record = run.xcoms["collect_outputs.return_value"]
+    assert record["hf_export_architecture"] == "Gemma3ForCausalLM"
     assert [(fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]] == [
         ("hidden_activation", "gelu", "gelu_pytorch_tanh"), ("rope_theta", 10_000.0, 1_000_000.0)]
     assert record["export_config_corrections"][0]["source"] == "AI-Hypercomputer/maxtext#2867"
@@ -143,6 +149,7 @@ def test_the_published_config_has_the_activation_gemma_3_was_trained_with_and_sa
     card = Path(hub.hf_hub_download(HUB_REPO, "README.md")).read_text()
     assert "| config.json corrected | MaxText 0.2.2 exported `hidden_activation` 'gelu' -> 'gelu_pytorch_tanh' " \
            "(AI-Hypercomputer/maxtext#2867);" in card
+    assert "| Architecture | `Gemma3ForCausalLM`, Gemma 3's text model" in card
 
 
 def test_an_export_config_nobody_knows_is_wrong_fails_before_publishing(run_pipeline, hub, local_cloud):

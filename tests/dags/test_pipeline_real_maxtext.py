@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,21 @@ from huggingface_hub import HfApi, ModelCard
 
 from localcloud.connections import LOCAL_OUTPUTS_CONF, REAL_IMAGE_KEY, real_maxtext_run_conf
 from localcloud.images import build_real_image
+from maxtext_sft.run.spec import RunSpec
 from tests.conftest import REPO
 from tests.dags.conftest import REAL_MAXTEXT_TIMEOUT, REAL_RUN_FIRST_BOOT, wait_for_run_end, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_maxtext, pytest.mark.timeout(REAL_MAXTEXT_TIMEOUT)]
 STEPS = 4  # each step saves a checkpoint to gs:// (several checkpoints, as a real run makes)
+# The published model's logits against MaxText's own forward pass on the final checkpoint
+# (tests/dags/export_logits.py), both in float32 on the same weights: what is left is the order
+# of float32 operations in XLA and in torch. Measured on this run (2026-12-07; logits up to 0.82,
+# an 11-token prompt): 1.6e-6 apart as published; with the activation MaxText wrote ("gelu", not
+# its tanh approximation) 8.7e-5, with its rope_theta of 10000 on the global layers 5.9e-3. The
+# bound sits between, ~6 times above the first and ~9 times below the smaller error, so the check
+# can fail. The comparison costs ~46 s of CPU.
+LOGITS_TOLERANCE = 1e-5
+LOGITS_PROMPT = "The quick brown fox jumps over the lazy dog because it"
 
 @pytest.fixture(scope="module")
 def real_image(local_cloud):
@@ -30,7 +42,7 @@ def real_image(local_cloud):
 
 
 def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_the_model(
-    start_airflow, real_image, local_cloud, hf_token, first_boot
+    start_airflow, real_image, local_cloud, hf_token, first_boot, tmp_path
 ):
     # What `make run` does, through Airflow's real components: MaxText itself writes its run
     # folder to gs:// (Orbax, tensorstore and gcsfs reach the local GCS from the VM), the export
@@ -104,12 +116,15 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     hub = HfApi(endpoint=local_cloud.hub.endpoint, token=hf_token)
     hub_files = set(hub.list_repo_files(published["repo_id"], revision=published["commit"]))
     assert {"config.json", "model.safetensors.index.json", "README.md", *shards} <= hub_files
-    # MaxText 0.2.2 wrote the text config's activation as "gelu": collect_outputs compared the toy
-    # export with the local Hub's base config (the toy's widths as the run's arguments asked) and
-    # published the corrected one, saying so in the run record.
+    # MaxText 0.2.2 exported the text-only fine-tune under its multimodal config without the
+    # vision tower: export_to_hf published it as Gemma 3's text model. It wrote the activation as
+    # "gelu": collect_outputs compared the toy export with the local Hub's base config (the toy's
+    # widths as the run's arguments asked) and published the corrected one, saying so in the record.
     config = json.loads(Path(hub.hf_hub_download(published["repo_id"], "config.json", revision=published["commit"]))
                         .read_text())
-    assert config["text_config"]["hidden_activation"] == "gelu_pytorch_tanh", config["text_config"]
+    assert (config["architectures"], config["model_type"]) == (["Gemma3ForCausalLM"], "gemma3_text"), config
+    assert record["hf_export_architecture"] == "Gemma3ForCausalLM"
+    assert config["hidden_activation"] == "gelu_pytorch_tanh", config
     assert ("hidden_activation", "gelu", "gelu_pytorch_tanh") in [
         (fix["field"], fix["was"], fix["now"]) for fix in record["export_config_corrections"]], record
     # The published card's model-index holds the tuned eval loss, as huggingface_hub parses it.
@@ -137,12 +152,45 @@ def test_fine_tunes_into_storage_publishes_and_a_downstream_dag_generates_from_t
     [samples] = airflow.xcom(triggered["dag_run_id"], "generate_samples", dag_id="maxtext_sft_sample_generations")
     prompts = (REPO / "include" / "eval" / "prompts.txt").read_text().split("\n")
     assert samples["model"] == extra["location"]
-    # It loaded the sharded export: every language-model weight came from the shards. (The
-    # text-only fine-tune, use_multimodal=False, exports no vision tower or projector.)
+    # It loaded the sharded export, every weight the text model has from the shards: none missing
+    # (left at random by transformers).
     assert (samples["weight_layout"], samples["weight_files"]) == ("sharded", shards)
-    assert all(
-        name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for name in samples["missing_weights"]
-    ), samples["missing_weights"]
+    assert samples["missing_weights"] == []
     assert [s["prompt"] for s in samples["samples"]] == [p for p in prompts if p]
     assert all(s["new_tokens"] > 0 for s in samples["samples"]), samples
 
+    # The published model computes what MaxText trained: its logits on a fixed prompt are MaxText's
+    # own forward pass on the final checkpoint, and would not be with the config MaxText wrote.
+    final = f"{run_prefix}checkpoints/{STEPS}/model_params/"
+    checkpoint = tmp_path / "model_params"
+    for blob in client.list_blobs(bucket_name, prefix=final):
+        if blob.name.endswith("/"):  # a folder's placeholder object, if a client made one
+            continue
+        target = checkpoint / blob.name[len(final):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        blob.download_to_filename(target)
+    export = Path(hub.snapshot_download(published["repo_id"], revision=published["commit"],
+                                        local_dir=tmp_path / "published"))
+    spec = RunSpec.from_dict(airflow.xcom(run_id, "plan_run", "spec"))
+    # The export step's MaxText arguments but where it reads and writes (the script loads the
+    # downloaded checkpoint itself).
+    export_args = [arg for arg in spec.export_args()
+                   if not arg.startswith(("load_parameters_path=", "base_output_directory="))]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "HF_TOKEN")}
+    before = os.times()
+    done = subprocess.run(
+        [str(python), str(Path(__file__).with_name("export_logits.py")), str(checkpoint), str(export), LOGITS_PROMPT,
+         *export_args],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = os.times()
+    logits = json.loads(done.stdout.strip().splitlines()[-1])
+    cpu = after.children_user + after.children_system - before.children_user - before.children_system
+    print(f"export_logits.py: {logits}; {cpu:.0f} s of CPU")
+    # The export holds the final checkpoint's weights, bit for bit as to_huggingface converts them.
+    assert logits["checkpoint"]["compared"] > 0 and logits["checkpoint"]["differ"] == [], logits["checkpoint"]
+    assert (logits["checkpoint"]["missing"], logits["checkpoint"]["extra"]) == ([], []), logits["checkpoint"]
+    assert logits["model_class"] == "Gemma3ForCausalLM" and logits["tokens"] > 1
+    assert logits["published"] < LOGITS_TOLERANCE, logits
+    assert min(logits["as_maxtext_wrote"].values()) > LOGITS_TOLERANCE, logits

@@ -371,10 +371,18 @@ def test_export_writes_the_hf_files_and_is_safe_to_run_twice(vm):
         result = vm.run("export")
         assert "Exported Hugging Face model" in result.stdout
         assert "Weights: 4 shards named by model.safetensors.index.json: model-00001-of-00004.safetensors" in result.stdout
+        # MaxText's text-only export of Gemma 3 (model.language_model.* under a multimodal config)
+        # leaves the step as Gemma 3's text model (include/vm/text_only_export.py).
+        assert "Architecture: Gemma3ForCausalLM (text only" in result.stdout
     export = vm.path(vm.spec.hf_export_dir)
     assert {"config.json", "model.safetensors.index.json", "model-00004-of-00004.safetensors", "tokenizer.json"} <= {
         p.name for p in export.iterdir()}
     assert check_export_folder(export).layout == "sharded"
+    config = json.loads((export / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Gemma3ForCausalLM"], "gemma3_text")
+    weight_map = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.embed_tokens.weight" in weight_map
+    assert not [name for name in weight_map if "language_model" in name], weight_map
 
 
 def test_a_small_model_is_exported_as_one_model_safetensors(vm):

@@ -144,6 +144,10 @@ def test_pipeline_commands_produce_maxtext_layouts_and_logs(mt):
         for start, end in [info["data_offsets"]])
     assert {header["__metadata__"]["step"] for header in headers.values()} == {"1000"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # transformers 5's name
+    # Gemma 3's language model, named as MaxText 0.2.2 names it under its multimodal config
+    # (param_mapping.py GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING), use_multimodal=False or not.
+    assert "model.language_model.embed_tokens.weight" in index["weight_map"]
+    assert all(name.startswith("model.language_model.") for name in index["weight_map"]), index["weight_map"]
 
 
 @pytest.mark.parametrize("command", [TO_MAXTEXT, TRAIN_SFT, TO_HUGGINGFACE], ids=["to_maxtext", "train_sft", "to_hf"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 
 import pytest
@@ -26,6 +27,13 @@ def maxtext_gemma3_4b_config(**dims) -> dict:
         sys.path.remove(str(REPO / "localcloud" / "maxtext_standin"))
         for name in [name for name in sys.modules if name == "maxtext" or name.startswith("maxtext.")]:
             del sys.modules[name]
+
+def text_only(config: dict) -> dict:
+    """The config.json export_to_hf.sh publishes for a text-only Gemma 3 export (include/vm/text_only_export.py)."""
+    spec = importlib.util.spec_from_file_location("text_only_export", REPO / "include" / "vm" / "text_only_export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.text_config(config)
 
 TOY_ARGS = ["override_model_config=True", "base_emb_dim=64", "base_mlp_dim=128", "base_num_query_heads=2",
             "base_num_kv_heads=1", "head_dim=32"]
@@ -100,3 +108,20 @@ def test_maxtexts_text_vocabulary_is_accepted_and_no_other_vocabulary_is():
     export["text_config"]["vocab_size"] = 262_000
     with pytest.raises(ExportConfigError, match="vocab_size: the export has 262000, the base model's 262208"):
         check_export_config(export, LOCAL_HUB_MODEL_CONFIG, {})
+
+
+def test_the_text_only_config_published_for_a_text_only_export_is_checked_and_corrected_the_same_way():
+    # export_to_hf.sh publishes MaxText's text-only export as Gemma3ForCausalLM, its config the
+    # text config alone: the same fields are compared with the base model's text config.
+    multimodal = maxtext_gemma3_4b_config()
+    exported = text_only(multimodal)
+    assert (exported["architectures"], "text_config" in exported) == (["Gemma3ForCausalLM"], False)
+    config, fixes = check_export_config(exported, LOCAL_HUB_MODEL_CONFIG, {})
+    assert fixes == check_export_config(multimodal, LOCAL_HUB_MODEL_CONFIG, {})[1] and len(fixes) == 2
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1_000_000.0
+    assert config == {**exported, "hidden_activation": "gelu_pytorch_tanh",
+                      "rope_parameters": config["rope_parameters"]}  # nothing else changes
+    exported["rms_norm_eps"] = 1e-5
+    with pytest.raises(ExportConfigError, match="rms_norm_eps: the export has 1e-05, the base model's 1e-06"):
+        check_export_config(exported, LOCAL_HUB_MODEL_CONFIG, {})

@@ -265,6 +265,20 @@ def test_an_incomplete_or_ambiguous_export_is_refused_naming_what_is_wrong(files
         layout_of(files, index)
 
 
+def test_the_card_and_the_record_name_the_architecture_and_why_a_gemma_3_fine_tune_is_text_only():
+    spec = make_spec(output_location="gs://bkt/p")
+    card = model_card(spec, final_step=3, final_loss="1.0", architecture="Gemma3ForCausalLM")
+    [row] = [line for line in card.splitlines() if line.startswith("| Architecture |")]
+    assert "`Gemma3ForCausalLM`, Gemma 3's text model" in row
+    assert "`use_multimodal=False`" in row and "`model.language_model.*` renamed `model.*`" in row
+    record = run_record(spec, training={}, base_checkpoint=None, hf_export=spec.hf_export_uri,
+                        architecture="Gemma3ForCausalLM")
+    assert record["hf_export_architecture"] == "Gemma3ForCausalLM"
+    other = model_card(spec, final_step=3, final_loss="1.0", architecture="Qwen3ForCausalLM")
+    assert "| Architecture | `Qwen3ForCausalLM` |" in other
+    assert "Architecture" not in model_card(spec, final_step=3, final_loss="1.0")
+
+
 def test_the_card_and_the_record_name_the_layout_and_the_weight_files():
     spec = make_spec(output_location="gs://bkt/p")
     sharded = layout_of({"config.json": 2, **dict.fromkeys(SHARDS, 9)}, sharded_index(SHARDS))

@@ -85,6 +85,17 @@ MAXTEXT_DIM_FIELDS = {
 }
 
 
+# What export_to_hf.sh publishes a text-only Gemma 3 fine-tune as (include/vm/text_only_export.py):
+# MaxText 0.2.2 exports it as Gemma3ForConditionalGeneration without the vision tower's tensors.
+TEXT_ONLY_ARCHITECTURE = "Gemma3ForCausalLM"
+
+
+def published_architecture(config: Mapping[str, Any]) -> str | None:
+    """The model class config.json names (its first `architectures`), None when it names none."""
+    architectures = config.get("architectures")
+    return str(architectures[0]) if isinstance(architectures, list) and architectures else None
+
+
 class ExportConfigError(ValueError):
     """The export's config.json describes another model than the base model: the message names
     each field, the export's value and the base model's."""

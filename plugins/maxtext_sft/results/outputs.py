@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from maxtext_sft.run.spec import RunSpec
+from maxtext_sft.results.export_config import TEXT_ONLY_ARCHITECTURE
 from maxtext_sft.results.training_metrics import TrainingMetrics
 
 RUN_RECORD_NAME = "run-record.json"
@@ -209,11 +210,13 @@ def model_card(
     export: ExportLayout | None = None,
     eval_loss: Mapping[str, float | None] | None = None,
     config_corrections: Sequence[Mapping[str, Any]] = (),
+    architecture: str | None = None,
 ) -> str:
     """README.md of the exported model: Hub metadata in YAML front matter (with the tuned model's
     held-out eval loss as a model-index result), then the facts (`export`: the checked layout of
     the weights beside it; `eval_loss`: {"base": ..., "tuned": ...}; `config_corrections`: the
-    export's config.json values corrected, results/export_config.py)."""
+    export's config.json values corrected, results/export_config.py; `architecture`: the model
+    class its config.json names)."""
     from huggingface_hub import EvalResult, ModelCardData  # imported when used: DAG files stay cheap to parse (docs/architecture.md)
 
     tuned = (eval_loss or {}).get("tuned")
@@ -259,6 +262,8 @@ def model_card(
     ]
     if spec.output_location:
         rows.append(("Checkpoints", f"`{spec.checkpoints_dir}`"))
+    if architecture:
+        rows.append(("Architecture", _architecture_text(spec, architecture)))
     if export:
         rows.append(("Weights", export.describe()))
     if config_corrections:
@@ -274,6 +279,18 @@ def model_card(
         f"{final_step} steps, final training loss {final_loss}.\n\n"
         "| | |\n|---|---|\n"
         f"{table}\n"
+    )
+
+
+def _architecture_text(spec: RunSpec, architecture: str) -> str:
+    if architecture != TEXT_ONLY_ARCHITECTURE:
+        return f"`{architecture}`"
+    return (
+        f"`{architecture}`, Gemma 3's text model: the fine-tune trained the language model alone "
+        f"(`use_multimodal=False`), which MaxText {spec.maxtext_version} exports under the multimodal "
+        "`Gemma3ForConditionalGeneration` config without its vision tower and projector (a loader would "
+        "fill them at random). Published as the text model instead: its text config, the tensors "
+        "`model.language_model.*` renamed `model.*`, every weight of the model in these files"
     )
 
 
@@ -302,13 +319,15 @@ def run_record(
     loss_curve: str | None = None,
     export: ExportLayout | None = None,
     config_corrections: Sequence[Mapping[str, Any]] = (),
+    architecture: str | None = None,
 ) -> dict[str, Any]:
     """Where everything of the run went (written last, next to the run's outputs).
 
     `location` is where this record itself goes (the run summary points there); `metrics` the
     train and eval losses by step from MaxText's metrics file (None: it could not be read);
     `loss_curve` where their chart went; `export` the checked layout of the export;
-    `config_corrections` what was corrected in its config.json.
+    `config_corrections` what was corrected in its config.json; `architecture` the model class
+    that config.json names.
     """
     final_step = training.get("final_step")
     return {
@@ -335,6 +354,8 @@ def run_record(
         # "single" (model.safetensors) or "sharded" (model.safetensors.index.json and its shards)
         "hf_export_layout": export.layout if export else None,
         "hf_export_weight_files": list(export.weight_files) if export else None,
+        # The model class published: Gemma3ForCausalLM for a text-only Gemma 3 fine-tune (export_to_hf.sh)
+        "hf_export_architecture": architecture,
         # The export's config.json values corrected: [{field, was, now, source}] (results/export_config.py)
         "export_config_corrections": [dict(fix) for fix in config_corrections],
         "model_card": f"{hf_export}/{MODEL_CARD_NAME}",

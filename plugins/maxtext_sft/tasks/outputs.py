@@ -16,7 +16,12 @@ from maxtext_sft.cloud.export_files import ExportFiles
 from maxtext_sft.cloud.hub import HuggingFaceHubHook
 from maxtext_sft.cloud.storage import StorageEndpointHook, split_gcs_uri
 from maxtext_sft.vm.ssh_common import LoginRefused, RemoteCommandError
-from maxtext_sft.results.export_config import ExportConfigError, check_export_config, requested_architecture
+from maxtext_sft.results.export_config import (
+    ExportConfigError,
+    check_export_config,
+    published_architecture,
+    requested_architecture,
+)
 from maxtext_sft.results.lineage import TUNED_MODEL, tuned_model_event
 from maxtext_sft.results.loss_curve import render_loss_curve
 from maxtext_sft.results.outputs import (
@@ -76,30 +81,33 @@ class CollectOutputsOperator(RunTaskOperator):
         return record
 
     def _card(
-        self, spec: RunSpec, export: ExportLayout, metrics: TrainingMetrics | None, corrections: list[dict]
+        self, spec: RunSpec, export: ExportLayout, metrics: TrainingMetrics | None, corrections: list[dict],
+        architecture: str | None,
     ) -> str:
         final_step = self.training["final_step"]
         return model_card(spec, final_step=final_step, final_loss=self.training["final_loss"], export=export,
                           eval_loss=metrics.eval_results(final_step) if metrics else None,
-                          config_corrections=corrections)
+                          config_corrections=corrections, architecture=architecture)
 
-    def _checked_config(self, spec: RunSpec, where: str, config_text: str, write) -> list[dict]:
+    def _checked_config(self, spec: RunSpec, where: str, config_text: str, write) -> tuple[str | None, list[dict]]:
         """The export's config.json checked against the base model's (results/export_config.py);
         the values MaxText is known to get wrong are corrected in place by `write(text)`. Returns
-        the corrections; fails the task, not to be retried, when the export differs otherwise."""
+        the model class it names and the corrections; fails the task, not to be retried, when the
+        export differs otherwise."""
+        exported = json.loads(config_text)
+        architecture = published_architecture(exported)
+        self.log.info("The export's %s names %s", CONFIG_FILE, architecture)
         repo = spec.checkpoint_repo()
         if repo is None:
             self.log.warning("The base model is a folder on the VM: the export's %s is not checked", CONFIG_FILE)
-            return []
+            return architecture, []
         api = HuggingFaceHubHook(hf_conn_id=self.hf_conn_id).get_conn()
         with tempfile.TemporaryDirectory(prefix="maxtext-sft-base-config-") as folder:
             base = json.loads(
                 Path(api.hf_hub_download(repo, CONFIG_FILE, revision=spec.model_revision, local_dir=folder)).read_text()
             )
         try:
-            config, corrections = check_export_config(
-                json.loads(config_text), base, requested_architecture(spec.export_args())
-            )
+            config, corrections = check_export_config(exported, base, requested_architecture(spec.export_args()))
         except ExportConfigError as error:
             raise AirflowFailException(
                 f"The export's {CONFIG_FILE} in {where} does not describe {repo} (revision "
@@ -112,7 +120,7 @@ class CollectOutputsOperator(RunTaskOperator):
                     "Corrected the export's %s: %s was %r, now %r (%s)",
                     CONFIG_FILE, fix["field"], fix["was"], fix["now"], fix["source"],
                 )
-        return corrections
+        return architecture, corrections
 
     def _curve(self, metrics: TrainingMetrics | None) -> bytes | None:
         return render_loss_curve(metrics.train, eval_history=metrics.eval) if metrics and metrics.train else None
@@ -130,13 +138,13 @@ class CollectOutputsOperator(RunTaskOperator):
                 f"The export in {export_uri} is incomplete: {error}. Was export_to_hf's upload complete?"
             ) from None
         self.log.info("The export in %s is %s: %s", export_uri, export.layout, list(export.weight_files))
-        corrections = self._checked_config(
+        architecture, corrections = self._checked_config(
             spec, export_uri, storage.read_text(f"{export_uri}/{CONFIG_FILE}"),
             lambda text: storage.upload(bucket, f"{prefix}/{CONFIG_FILE}", data=text, mime_type="application/json"),
         )
         metrics = self._metrics_or_none(spec)
         storage.upload(
-            bucket, f"{prefix}/{MODEL_CARD_NAME}", data=self._card(spec, export, metrics, corrections),
+            bucket, f"{prefix}/{MODEL_CARD_NAME}", data=self._card(spec, export, metrics, corrections, architecture),
             mime_type="text/markdown",
         )
         curve = None
@@ -147,7 +155,7 @@ class CollectOutputsOperator(RunTaskOperator):
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=export_uri,
             location=spec.run_record_uri, metrics=metrics, loss_curve=curve, export=export,
-            config_corrections=corrections,
+            config_corrections=corrections, architecture=architecture,
         )
         record_bucket, record_name = split_gcs_uri(spec.run_record_uri)
         storage.upload(record_bucket, record_name, data=json.dumps(record, indent=1), mime_type="application/json")
@@ -168,9 +176,10 @@ class CollectOutputsOperator(RunTaskOperator):
             raise AirflowException(f"The export on {spec.vm_name} ({spec.hf_export_dir}) is incomplete: {error}") from None
         self.log.info("The export is %s: %s", export.layout, list(export.weight_files))
         config_path = export_dir / CONFIG_FILE
-        corrections = self._checked_config(spec, f"{export_dir} (copied off {spec.vm_name})", config_path.read_text(),
-                                           config_path.write_text)
-        (export_dir / MODEL_CARD_NAME).write_text(self._card(spec, export, metrics, corrections))
+        architecture, corrections = self._checked_config(
+            spec, f"{export_dir} (copied off {spec.vm_name})", config_path.read_text(), config_path.write_text
+        )
+        (export_dir / MODEL_CARD_NAME).write_text(self._card(spec, export, metrics, corrections, architecture))
         location = f"{socket.gethostname()}:{export_dir}"
         curve = None
         if chart := self._curve(metrics):
@@ -179,7 +188,7 @@ class CollectOutputsOperator(RunTaskOperator):
         record = run_record(
             spec, training=self.training, base_checkpoint=base_checkpoint, hf_export=location,
             location=f"{socket.gethostname()}:{folder / RUN_RECORD_NAME}", metrics=metrics, loss_curve=curve,
-            export=export, config_corrections=corrections,
+            export=export, config_corrections=corrections, architecture=architecture,
         )
         (folder / RUN_RECORD_NAME).write_text(json.dumps(record, indent=1))
         self.log.warning(

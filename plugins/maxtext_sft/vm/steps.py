@@ -157,9 +157,10 @@ def vm_scripts_dir() -> Path:
 
 
 def script_files() -> dict[str, bytes]:
-    """Every step script plus lib.sh, and the rehearsal kit's sources (include/rehearsal, which
-    prepare_rehearsal.sh finds beside it): uploaded together, so a step never meets a stale helper."""
-    scripts = sorted(vm_scripts_dir().glob("*.sh"))
+    """Every step script plus lib.sh and the Python a script runs beside it (text_only_export.py),
+    and the rehearsal kit's sources (include/rehearsal, which prepare_rehearsal.sh finds beside
+    it): uploaded together, so a step never meets a stale helper."""
+    scripts = sorted([*vm_scripts_dir().glob("*.sh"), *vm_scripts_dir().glob("*.py")])
     kit = include_dir() / "rehearsal"
     kit_sources = sorted([*kit.glob("*.py"), *kit.glob("*.json")])
     return {path.name: path.read_bytes() for path in [*scripts, *kit_sources]}

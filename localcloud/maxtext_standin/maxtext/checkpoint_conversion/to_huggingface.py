@@ -7,15 +7,15 @@ weights, tokenizer.json, tokenizer_config.json and chat_template.jinja. Like Max
 refuses model dimensions that differ from the Hugging Face model's unless
 --override_model_architecture is given.
 
-The weights are a few tiny BF16 tensors, laid out as MaxText 0.2.2 lays out an export
-(checkpoint_conversion/utils/utils.py: shard_checkpoint, save_weight_files): tensors in
-sorted order fill shards up to a size threshold, a tensor above it getting a shard of its
-own; one shard is written as model.safetensors, several as model-0000N-of-0000M.safetensors
-with model.safetensors.index.json ({"metadata": {"total_size": N}, "weight_map": {tensor:
-shard}}). MaxText's threshold is 3 GiB, so Gemma 3 4B (about 8.6 GB) is always sharded; the
-stand-in's default threshold shards its weights the same way (four shards), and the fault
-file's "to_huggingface": {"max_shard_size": BYTES} changes it. Every file's safetensors
-metadata names the source checkpoint.
+The weights are a few tiny BF16 tensors with MaxText's names (standin_tensors), laid out as
+MaxText 0.2.2 lays out an export (checkpoint_conversion/utils/utils.py: shard_checkpoint,
+save_weight_files): tensors in sorted order fill shards up to a size threshold, a tensor
+above it getting a shard of its own; one shard is written as model.safetensors, several as
+model-0000N-of-0000M.safetensors with model.safetensors.index.json ({"metadata":
+{"total_size": N}, "weight_map": {tensor: shard}}). MaxText's threshold is 3 GiB, so Gemma 3
+4B (about 8.6 GB) is always sharded; the stand-in's default threshold shards its weights the
+same way (four shards), and the fault file's "to_huggingface": {"max_shard_size": BYTES}
+changes it. Every file's safetensors metadata names the source checkpoint.
 """
 
 import json
@@ -37,12 +37,19 @@ else message['role'] %}<start_of_turn>{{ role }}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 
 
-# The stand-in's weights: name -> shape, BF16 (2 bytes an element), zeros.
-STANDIN_TENSORS = {
-    "model.embed_tokens.weight": [8, 4],
-    **{f"model.layers.{i}.weight": [4, 4] for i in range(4)},
-    "model.norm.weight": [4],
-}
+def standin_tensors(model_name):
+    """The stand-in's weights: name -> shape, BF16 (2 bytes an element), zeros. Named as MaxText
+    0.2.2 names the language model's tensors: for Gemma 3, model.language_model.* whatever
+    use_multimodal says (checkpoint_conversion/utils/param_mapping.py,
+    GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING), for the other models model.*."""
+    prefix = "model.language_model." if model_name.startswith("gemma3") else "model."
+    return {
+        f"{prefix}embed_tokens.weight": [8, 4],
+        **{f"{prefix}layers.{i}.self_attn.q_proj.weight": [4, 4] for i in range(4)},
+        f"{prefix}norm.weight": [4],
+    }
+
+
 BF16_BYTES = 2
 # The embedding alone fills a shard, two layers each the next ones, the norm the last: 4 shards.
 DEFAULT_MAX_SHARD_SIZE = 64
@@ -80,17 +87,17 @@ def shard(tensors, max_shard_size):
     return shards
 
 
-def write_weights(out, max_shard_size, metadata):
-    shards = shard(STANDIN_TENSORS, max_shard_size)
+def write_weights(out, tensors, max_shard_size, metadata):
+    shards = shard(tensors, max_shard_size)
     if len(shards) == 1:
         write_safetensors(out / SINGLE_WEIGHTS_FILE, shards[0], metadata)
         return
     weight_map = {}
-    for number, tensors in enumerate(shards, 1):
+    for number, shard_tensors in enumerate(shards, 1):
         name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(out / name, tensors, metadata)
-        weight_map.update(dict.fromkeys(tensors, name))
-    total = sum(tensor_bytes(shape) for shape in STANDIN_TENSORS.values())
+        write_safetensors(out / name, shard_tensors, metadata)
+        weight_map.update(dict.fromkeys(shard_tensors, name))
+    total = sum(tensor_bytes(shape) for shape in tensors.values())
     (out / WEIGHTS_INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2))
 
@@ -183,7 +190,8 @@ def main(argv):
     text = hf_config.get("text_config", hf_config)
     text.update(faults.get("to_huggingface", {}).get("config_text_fields", {}))
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    write_weights(out, faults.get("to_huggingface", {}).get("max_shard_size", DEFAULT_MAX_SHARD_SIZE), {
+    write_weights(out, standin_tensors(config.model_name),
+                  faults.get("to_huggingface", {}).get("max_shard_size", DEFAULT_MAX_SHARD_SIZE), {
         "format": "pt", "maxtext_standin": "true", "source": config.load_parameters_path,
         "step": source.get("step", 0), "run_name": source.get("run_name", "")})
     (out / "tokenizer.json").write_text(json.dumps({
