@@ -16,7 +16,7 @@ DAG ?= maxtext_sft
 # Empty: run_pipeline's default for the DAG (real; the slice's is fast, its only choice).
 MAXTEXT ?=
 
-.PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor
+.PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor params-page
 
 venv: $(VENV)/.synced
 
@@ -128,6 +128,10 @@ test-floor: dist system-deps
 	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q requirements-floor.lock
 	VIRTUAL_ENV=$(FLOOR_VENV) uv pip install -q --no-deps --reinstall dist/maxtext_sft_airflow-*.whl
 	env -u PYTHONDONTWRITEBYTECODE MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider -k "not ($(FLOOR_DESELECT))" $(FLOOR_TESTS)
+
+# docs/params.md from the Params' declarations (tests/test_docs.py fails when they differ).
+params-page: venv
+	PYTHONPATH=plugins $(PYTHON) -m maxtext_sft.run.params_page docs/params.md
 
 lock:
 	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock

@@ -54,10 +54,15 @@ def test_slugs_follow_githubs_rules():
     assert slug("One run, one spec") == "one-run-one-spec"
 
 
+def links(page: Path) -> list[str]:
+    """The link targets of a page, outside inline code (a pattern's `[a-z](...)` is no link)."""
+    return LINK.findall(re.sub(r"`[^`\n]*`", "", page.read_text()))
+
+
 def test_every_relative_link_resolves():
     broken = []
     for page in PAGES:
-        for target in LINK.findall(page.read_text()):
+        for target in links(page):
             if not is_relative(target) or target.startswith("#"):
                 continue
             if not (page.parent / target.split("#")[0]).exists():
@@ -101,6 +106,16 @@ def test_every_docs_page_says_first_who_it_is_for():
         if not title.startswith("# ") or not first.startswith("For: "):
             unsaid.append(page.name)
     assert unsaid == []
+
+
+def test_the_params_page_is_written_from_the_declarations():
+    """docs/params.md is what `make params-page` writes now: no Param, default or pattern of the
+    declarations is missing from it or stale in it."""
+    from maxtext_sft.run import params_page
+
+    assert (REPO / "docs" / "params.md").read_text() == params_page.render(), "run `make params-page`"
+    for name in ("steps", "ssh_via_iap", "tpu_slice", "rehearsal_machine_type", "source_image_family"):
+        assert f"| `{name}` |" in params_page.render()
 
 
 def test_astros_requirements_are_the_distributions_without_airflow():

@@ -163,3 +163,10 @@ def test_the_form_refuses_what_the_check_refuses(name, value):
         jsonschema.validate(value, form_schema(param))
     with pytest.raises(SpecError, match=f"'{name}'"):
         run_params.check_value(param, value)
+
+
+def test_a_new_row_is_on_the_params_page(with_warmup_param):
+    from maxtext_sft.run import params_page
+
+    [row] = [line for line in params_page.render().splitlines() if line.startswith(f"| `{WARMUP.name}` |")]
+    assert WARMUP.title in row and WARMUP.description in row and "maxtext_sft, maxtext_sft_rehearsal" in row
