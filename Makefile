@@ -16,9 +16,27 @@ DAG ?= maxtext_sft
 # Empty: run_pipeline's default for the DAG (real; the slice's is fast, its only choice).
 MAXTEXT ?=
 
-.PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor params-page
+.PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor params-page uv
 
-venv: $(VENV)/.synced
+# uv builds every environment here: the one on PATH, else one of the project's own in
+# .uv-bootstrap (a virtualenv made with Debian's python3-venv, its uv linked into
+# .uv-bootstrap/bin, which goes on PATH for every recipe and the tests they run). Never installed
+# into the system Python: Debian's is EXTERNALLY-MANAGED (PEP 668), its pip refuses.
+UV_BOOTSTRAP ?= $(CURDIR)/.uv-bootstrap
+ifeq ($(shell command -v uv 2>/dev/null),)
+export PATH := $(UV_BOOTSTRAP)/bin:$(PATH)
+endif
+
+uv:
+	@command -v uv >/dev/null || { \
+		python3 -c "import ensurepip" 2>/dev/null || { \
+			echo "Installing Debian's python3-venv (apt-get) ..."; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; }; \
+		echo "Installing uv $(UV_VERSION) into $(UV_BOOTSTRAP) ..."; \
+		python3 -m venv "$(UV_BOOTSTRAP)/venv" && "$(UV_BOOTSTRAP)/venv/bin/pip" install -q "uv==$(UV_VERSION)" && \
+		mkdir -p "$(UV_BOOTSTRAP)/bin" && ln -sf ../venv/bin/uv "$(UV_BOOTSTRAP)/bin/uv"; }
+
+venv: uv $(VENV)/.synced
 
 # The packages' bytecode compiled ahead: every Python process here (each test worker, Airflow
 # component and task) would otherwise compile its imports from source when PYTHONDONTWRITEBYTECODE
@@ -30,7 +48,6 @@ venv: $(VENV)/.synced
 NEVER_IMPORTED = /site-packages/(scipy|sklearn|ray|litellm|openai|vertexai|agentplatform|google/ads|google/cloud/aiplatform[a-z0-9_]*|google/genai|google/analytics)/
 $(VENV)/.synced: requirements-dev.lock Makefile
 	@echo "Installing the locked Python packages into $(VENV) (uv pip sync; about a minute on a fresh machine) ..."
-	@command -v uv >/dev/null || python3 -m pip install -q "uv==$(UV_VERSION)"
 	@started=$$(date +%s) && \
 	uv venv -q --allow-existing --python 3.11 $(VENV) && \
 	VIRTUAL_ENV=$(VENV) uv pip sync -q requirements-dev.lock && \
@@ -133,6 +150,6 @@ test-floor: dist system-deps
 params-page: venv
 	PYTHONPATH=plugins $(PYTHON) -m maxtext_sft.run.params_page docs/params.md
 
-lock:
+lock: uv
 	uv pip compile requirements.txt --python-version 3.11 -o requirements.lock
 	uv pip compile requirements-dev.txt --python-version 3.11 --constraints requirements.lock -o requirements-dev.lock
