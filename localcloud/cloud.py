@@ -243,6 +243,17 @@ class LocalCloud:
             "client_id": str(int.from_bytes(os.urandom(8), "big")), "token_uri": self.token_uri,
         }
 
+    def bind_role(self, member: str, permissions: list[str] | None, *, token: str | None = None) -> None:
+        """`member` (`serviceAccount:EMAIL`) may do exactly `permissions` through the Compute and
+        Storage APIs from now on (localcloud/compute/iam.py, localcloud/storage/iam.py); None: its
+        calls are no longer checked. `token`: a token that is the member's though the token
+        endpoint did not issue it (the VMs' VM_ACCESS_TOKEN)."""
+        self._control("POST", "iam/bindings", {"member": member, "permissions": permissions})
+        self._control("POST", "iam/bindings", {
+            "member": member, "permissions": permissions, "tokeninfo_url": f"{self.base_url}/tokeninfo",
+            **({"token": token} if token else {}),
+        }, base=self.storage_url)
+
     def grant_iap_tunnel_user(self, project: str, member: str) -> None:
         """`member` (`serviceAccount:EMAIL`) gets the IAP-secured Tunnel User role on `project`."""
         self._control("POST", "iap/tunnel-users", {"project": project, "member": member})

@@ -105,10 +105,21 @@ LOCAL_HUB_MODEL_CONFIG = {
 LOCAL_RESERVATION_COUNT = 8
 
 
+# The custom role the docs publish for the Airflow service account (gcloud iam roles create --file).
+AIRFLOW_ROLE_FILE = Path(__file__).resolve().parent.parent / "include" / "iam" / "airflow-role.yaml"
+
+
+def airflow_role_permissions() -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(AIRFLOW_ROLE_FILE.read_text())["includedPermissions"])
+
+
 def prepare_local_cloud(cloud, hf_token: str) -> None:
     """What a team has before its first run: the reservation the run conf names, the output bucket,
     a Hub account whose write token the Hugging Face connection holds, with the gated base model's
-    licence accepted."""
+    licence accepted, and the Google connection's account holding exactly the published role."""
+    cloud.bind_role(f"serviceAccount:{LOCAL_SERVICE_ACCOUNT}", airflow_role_permissions())
     cloud.add_reservation(LOCAL_RUN_CONF["reservation"], LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")

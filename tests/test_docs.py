@@ -118,6 +118,15 @@ def test_the_params_page_is_written_from_the_declarations():
         assert f"| `{name}` |" in params_page.render()
 
 
+def test_the_iam_section_lists_exactly_the_published_roles_permissions():
+    import yaml
+
+    role = yaml.safe_load((REPO / "include" / "iam" / "airflow-role.yaml").read_text())["includedPermissions"]
+    page = (REPO / "docs" / "google-cloud.md").read_text()
+    listed = page[page.index("<!-- role: include/iam/airflow-role.yaml -->"):page.index("<!-- end of role -->")]
+    assert re.findall(r"`([a-z]+\.[A-Za-z]+\.[A-Za-z]+)`", listed) == role
+
+
 def test_astros_requirements_are_the_distributions_without_airflow():
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     page = (REPO / "docs" / "deploy-astro.md").read_text()

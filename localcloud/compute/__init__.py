@@ -18,6 +18,7 @@ modules below it in this list:
   - core: the one lock and the settings every family shares
 - faults: the faults tests switch on
 - error_catalog: the API's wording of its refusals to create an instance
+- iam: the permissions each API method needs, checked against a bound caller's
 - leases: machine-wide leases of the VMs' loopback addresses
 - resources: links, ids, timestamps, body checks and list paging every family shares
 - vm: sandbox VMs (unshare'd sshd) and reaping of stale ones

@@ -37,6 +37,7 @@ from .errors import ApiError
 from .first_boot import FirstBoot, install_guest_os
 from .groups import SliceResources
 from .guest_agent import GuestAgent
+from .iam import Bindings
 from .images import ImageResources
 from .instances import InstanceResources
 from .lifecycle import InstanceLifecycle
@@ -95,6 +96,7 @@ class ComputeEmulator(
         # Service-account keys' tokens and IAP's TCP forwarding (localcloud/iap): the relay runs
         # beside this server (__main__) and reaches the instances by their internal address.
         self.tokens = TokenIssuer()
+        self.iam = Bindings()  # the permissions of bound callers (iam.py), checked on every API call
         self.iap_policy = TunnelPolicy()
         self.iap_request_log = RequestLog(state_dir / "iap-requests.jsonl")
 

@@ -97,8 +97,11 @@ ROUTES += [
 _COMPILED = [(m, re.compile(p), h) for m, p, h in ROUTES]
 
 
-def dispatch(emulator: ComputeEmulator, method: str, path: str, req: Request) -> tuple[int, object]:
-    """Route one /compute/v1/ request; returns (status, payload with Links)."""
+def dispatch(
+    emulator: ComputeEmulator, method: str, path: str, req: Request, caller: str | None = None
+) -> tuple[int, object]:
+    """Route one /compute/v1/ request of `caller` (a token's service account, None for others:
+    iam.py checks a bound one); returns (status, payload with Links)."""
     rest = path[len(API_PREFIX) :]
     for route_method, pattern, handler in _COMPILED:
         m = pattern.fullmatch(rest)
@@ -106,6 +109,10 @@ def dispatch(emulator: ComputeEmulator, method: str, path: str, req: Request) ->
             params = {k: unquote(v) for k, v in m.groupdict().items()}
             if "zone" in params and handler != "get_zone" and not catalog.known_zone(params["zone"]):
                 raise errors.unknown_zone(params["zone"])
+            # The resource a refusal names: the request's, an insert's new resource by its name.
+            name = req.body.get("name") if method == "POST" and isinstance(req.body, dict) else None
+            resource = unquote(rest) + (f"/{name}" if handler.startswith("insert_") and name else "")
+            emulator.iam.check(caller, handler, req.body, resource)
             return 200, getattr(emulator, handler)(req=req, **params)
     raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server (localcloud).")
 
@@ -161,6 +168,12 @@ class ControlApi:
         if what == "networks" and method == "POST":
             # {"project", "name", "auto", "subnetworks"?: [{"region", "name", "ip_cidr_range"}]}.
             return 200, emulator.set_network(body)
+        if what == "iam/bindings" and method == "POST":
+            # {"member": "serviceAccount:EMAIL", "permissions": [...] | null}: what the member may do
+            # through this API from now on (iam.py), null: no longer checked.
+            if not isinstance(body, dict) or set(body) != {"member", "permissions"}:
+                raise ApiError(400, "invalid", 'Expected {"member", "permissions"}.')
+            return 200, emulator.iam.bind(body["member"], body["permissions"])
         if what == "iap/service-accounts" and method == "POST":
             # {"email", "public_key_pem"}: a service account whose key the token endpoint accepts.
             if not isinstance(body, dict) or set(body) != {"email", "public_key_pem"}:
@@ -219,6 +232,10 @@ class Handler(BaseHTTPRequestHandler):
             status, payload = self.emulator.tokens.grant(raw)
             self._answer(status, json.dumps(payload).encode())
             return
+        if path == token_endpoint.TOKENINFO_PATH and method == "GET":
+            status, payload = self.emulator.tokens.tokeninfo((query.get("access_token") or [""])[0])
+            self._answer(status, json.dumps(payload).encode())
+            return
         if (m := re.fullmatch(r"/v1/projects/([^/:]+):testIamPermissions", path)) and method == "POST":
             status, payload = self._test_iam_permissions(unquote(m.group(1)), raw)
             self._answer(status, json.dumps(payload).encode())
@@ -241,7 +258,7 @@ class Handler(BaseHTTPRequestHandler):
             elif path.startswith(API_PREFIX):
                 if fault := self.emulator.faults.http_error(method, path):
                     raise fault
-                status, payload = dispatch(self.emulator, method, path, Request(query, body, base))
+                status, payload = dispatch(self.emulator, method, path, Request(query, body, base), self._caller())
             else:
                 raise ApiError(404, "notFound", f"The requested URL {path} was not found on this server.")
         except ApiError as exc:
@@ -287,13 +304,17 @@ class Handler(BaseHTTPRequestHandler):
         })
         self._answer(status, json.dumps(payload).encode())
 
+    def _caller(self) -> str | None:
+        """The service account whose token the request carries (None: no token this cloud issued)."""
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        return self.emulator.tokens.identity(token.strip()) if scheme.lower() == "bearer" else None
+
     def _test_iam_permissions(self, project: str, raw: bytes) -> tuple[int, dict]:
         """Resource Manager v1 projects.testIamPermissions, for the one permission this cloud's IAM
         knows (IAP's tunnel, localcloud/iap/relay.py): the caller's (a token the token endpoint
         issued) subset of the asked permissions, {} for none. An invalid token gets the 401 every
         Google API answers (google.rpc UNAUTHENTICATED)."""
-        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-        email = self.emulator.tokens.identity(token.strip()) if scheme.lower() == "bearer" else None
+        email = self._caller()
         if email is None:
             return 401, {"error": {"code": 401, "status": "UNAUTHENTICATED", "message": (
                 "Request had invalid authentication credentials. Expected OAuth 2 access token, login cookie "

@@ -10,18 +10,18 @@ import httplib2
 TUTORIAL_IMAGE_KEY = "ubuntu-os-accelerator-images/ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e"
 
 
-def discovery_client(compute_endpoint: str):
-    """`googleapiclient.discovery.build("compute", "v1")` pointed at the emulator, no auth."""
+def discovery_client(compute_endpoint: str, credentials=None):
+    """`googleapiclient.discovery.build("compute", "v1")` pointed at the emulator, no auth (with
+    `credentials`: theirs, each request carrying their token)."""
     from googleapiclient.discovery import build
 
-    return build(
-        "compute",
-        "v1",
-        client_options={"api_endpoint": compute_endpoint},
-        # Longer than the emulator's 120 s operations.wait.
-        http=httplib2.Http(timeout=130, proxy_info=None),
-        static_discovery=True,
-    )
+    # Longer than the emulator's 120 s operations.wait.
+    http = httplib2.Http(timeout=130, proxy_info=None)
+    if credentials is not None:
+        import google_auth_httplib2
+
+        http = google_auth_httplib2.AuthorizedHttp(credentials, http=http)
+    return build("compute", "v1", client_options={"api_endpoint": compute_endpoint}, http=http, static_discovery=True)
 
 
 def wait_operation(discovery, operation: dict | str, *, project: str, zone: str, timeout: float = 60.0) -> dict:

@@ -32,6 +32,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from .._daemon import RequestLog
+from .iam import Bindings
 from .store import GcsError, Store, check_preconditions, invalid, now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class StorageApi:
         self.faults: list[dict] = []
         self.denials: list[dict] = []
         self.sessions_lock = threading.Lock()  # guards sessions and faults
+        self.iam = Bindings()  # bound callers' permissions (iam.py)
 
     def handle(self, req: Request) -> Response:
         if req.path.startswith("/_localcloud/"):
@@ -136,6 +138,13 @@ class StorageApi:
                 raise fault
             if self.denials and (denied := self._denied(req)):
                 raise denied
+            if missing := self.iam.missing(self.iam.caller(req.headers.get("Authorization")), req.method, req.path):
+                what = "bucket" if missing.startswith("storage.buckets.") else "object"
+                raise GcsError(
+                    403, "forbidden",
+                    f"{self.iam.caller(req.headers.get('Authorization'))} does not have {missing} access to the Google "
+                    f"Cloud Storage {what}. Permission '{missing}' denied on resource (or it may not exist).",
+                )
             for method, pattern, name in _ROUTES:
                 match = pattern.fullmatch(req.path)
                 if match and method == req.method:
@@ -162,6 +171,11 @@ class StorageApi:
             if req.method == "DELETE":
                 self.request_log.clear()
             return Response(200, self.request_log.read() if req.method == "GET" else {})
+        if what == "/_localcloud/iam/bindings" and req.method == "POST":  # iam.py's Bindings.bind
+            body = req.json()
+            if not {"member", "permissions"} <= set(body) <= {"member", "permissions", "token", "tokeninfo_url"}:
+                raise invalid('Expected {"member", "permissions", "token"?, "tokeninfo_url"?}.')
+            return Response(200, self.iam.bind(body))
         if what == "/_localcloud/faults" and req.method in ("GET", "POST"):
             if req.method == "POST":
                 self._set_faults(req.json())
