@@ -10,7 +10,8 @@ DAGs through the real scheduler: one of maxtext_sft (its outputs in the bucket, 
 Hub) and two of the declared job (one triggered, its outputs copied to the worker and not
 published; one started by its schedule, which fails), beside any other run of this Airflow (the
 trigger form's). The page lists every run newest first, its job filter narrows the rows, every
-successful row's loss plot loads; without a login the page sends the browser to the login page.
+successful row's loss plot loads, a failed run's row gives its cause in its note's words;
+without a login the page sends the browser to the login page.
 
 Screenshots land in test-artifacts/ (kept on failure too; fine-tunes-page.png: the page in the UI's
 frame at 1600x1000).
@@ -475,6 +476,13 @@ def test_the_fine_tunes_page_lists_every_run_of_every_fine_tune_dag(airflow, loc
             wait.until(lambda d: f"dag_id={JOB_DAG_ID}" in d.current_url and len(rows_shown(d)) == len(job_rows))
             assert rows_shown(driver) == job_rows and len(job_rows) < len(newest_first)
             assert [width > 0 for width in plots_loaded(driver)] == [True]  # the scheduled run failed: no plot
+            # The failed run says why, in the words of the note its failure listener wrote.
+            [scheduled] = [run_id for _, run_id in job_rows if run_id != job_run]
+            note = airflow.get(f"/api/v2/dags/{JOB_DAG_ID}/dagRuns/{requests.utils.quote(scheduled, safe='')}")["note"]
+            assert note and note.startswith("Failed at "), note
+            cause = driver.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{scheduled}"] .cause').text
+            assert cause == note.strip(), (cause, note)
+            assert not driver.find_elements(By.CSS_SELECTOR, f'tr[data-run-id="{job_run}"] .cause')
             save_artifact(driver, "fine-tunes-page-filtered")
         except BaseException:
             save_artifact(driver, "fine-tunes-page-failure")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
@@ -62,6 +64,17 @@ def test_a_run_that_failed_before_its_outputs_shows_what_it_planned():
     assert shown.dataset == f"HuggingFaceH4/ultrachat_200k @ {'a' * 12}"
     assert shown.published == Link("not published: publish_to_hub upstream failed", None)
     assert shown.outputs == [Link("run in Airflow", "/r")] and not shown.has_loss_plot
+
+
+def test_a_failed_run_says_why_in_its_notes_words_and_a_succeeded_one_does_not():
+    note = "Failed at preflight: Preflight failed, no VM was created:\nreservation: ...\nAlso failed: delete_vm."
+    failed = fine_tune_row(dag_id="nightly", run_id="scheduled__x", state="failed", logical_date=WHEN,
+                           run_after=WHEN, run_page="/r", publish_state="upstream_failed", note=note + "\n")
+    assert failed.cause == note
+    assert row(note="Succeeded: 20 steps").cause == ""
+    assert dataclasses.replace(failed, cause="") == fine_tune_row(
+        dag_id="nightly", run_id="scheduled__x", state="failed", logical_date=WHEN, run_after=WHEN, run_page="/r",
+        publish_state="upstream_failed")  # no note yet: nothing said
 
 
 def test_nothing_at_all_and_odd_values_show_dashes():

@@ -102,6 +102,7 @@ class FineTuneRow:
     published: Link
     outputs: list[Link] = field(default_factory=list)
     has_loss_plot: bool = False
+    cause: str = ""  # a failed run's note (ui/run_notes.py: the first failed task and its error)
 
 
 def _number(value: Any) -> float | None:
@@ -211,9 +212,11 @@ def fine_tune_row(
     published: Any = None,
     summary: Any = None,
     publish_state: str | None = None,
+    note: str | None = None,
 ) -> FineTuneRow:
     """One row of the page from a run's identity and the return values its tasks left (None:
-    the task left none). `run_page` is the run's address in Airflow's UI."""
+    the task left none). `run_page` is the run's address in Airflow's UI; `note` the run's note,
+    shown as the cause of a failed run (what its failure listener wrote, or a person's note)."""
     spec = spec if isinstance(spec, Mapping) else {}
     record = record if isinstance(record, Mapping) else {}
     summary = summary if isinstance(summary, Mapping) else {}
@@ -232,4 +235,5 @@ def fine_tune_row(
         published=_published(published, publish_state),
         outputs=_outputs(record, run_page),
         has_loss_plot=bool(loss_plot_series(record)[0]),
+        cause=note.strip() if state == "failed" and isinstance(note, str) else "",
     )

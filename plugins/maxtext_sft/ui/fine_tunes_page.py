@@ -26,7 +26,7 @@ from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.common.db.common import SessionDep
 from airflow.api_fastapi.core_api.security import get_user
 from airflow.models.dag import DagTag
-from airflow.models.dagrun import DagRun
+from airflow.models.dagrun import DagRun, DagRunNote
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.xcom import XComModel
 from maxtext_sft.results.fine_tunes import (
@@ -90,6 +90,7 @@ def _rows(session: Session, dag_ids: list[str], ui_base: str, limit: int) -> lis
     ).all()
     ids = [run.id for run in runs]
     values = _xcoms(session, ids)
+    notes = dict(session.execute(select(DagRunNote.dag_run_id, DagRunNote.content).where(DagRunNote.dag_run_id.in_(ids))).all())
     publish_states = {
         (dag_id, run_id): _text(state)
         for dag_id, run_id, state in session.execute(
@@ -114,6 +115,7 @@ def _rows(session: Session, dag_ids: list[str], ui_base: str, limit: int) -> lis
             published=values.get((run.id, PUBLISH_TASK)),
             summary=values.get((run.id, SUMMARY_TASK)),
             publish_state=publish_states.get((run.dag_id, run.run_id)),
+            note=notes.get(run.id),
         )
         for run in runs
     ]
@@ -133,10 +135,12 @@ def _row_html(row: FineTuneRow) -> str:
         if row.has_loss_plot else "-"
     )
     outputs = "<br>".join(_link(link) for link in row.outputs)
+    # A failed run says why, in its note's words (the run's page shows the same note).
+    cause = f'<div class="cause">{"<br>".join(html.escape(line) for line in row.cause.splitlines())}</div>' if row.cause else ""
     cells = [
         f"<b>{html.escape(row.dag_id)}</b>",
         f'{html.escape(row.logical_date)}<br><span class="state {html.escape(row.state)}">{html.escape(row.state)}</span>'
-        f'<br><small>{html.escape(row.run_id)}</small>',
+        f'<br><small>{html.escape(row.run_id)}</small>{cause}',
         html.escape(row.dataset), html.escape(row.steps), html.escape(row.train_loss), html.escape(row.eval_loss),
         html.escape(row.vm), _link(row.published), outputs, plot,
     ]
@@ -156,6 +160,7 @@ th, td { border-bottom: 1px solid #e2e8f0; padding: 6px 8px; text-align: left; v
 th { background: #f7fafc; position: sticky; top: 0; }
 small { color: #718096; }
 img.loss { width: 220px; height: auto; border: 1px solid #e2e8f0; }
+.cause { color: #c53030; max-width: 360px; margin-top: 4px; }
 .state { font-weight: 600; } .success { color: #2f855a; } .failed { color: #c53030; } .running { color: #2b6cb0; }
 """
 
