@@ -138,11 +138,12 @@ class StorageApi:
                 raise fault
             if self.denials and (denied := self._denied(req)):
                 raise denied
-            if missing := self.iam.missing(self.iam.caller(req.headers.get("Authorization")), req.method, req.path):
+            caller = self.iam.caller(req.headers.get("Authorization"))
+            if missing := self.iam.missing(caller, req.method, req.path):
                 what = "bucket" if missing.startswith("storage.buckets.") else "object"
                 raise GcsError(
                     403, "forbidden",
-                    f"{self.iam.caller(req.headers.get('Authorization'))} does not have {missing} access to the Google "
+                    f"{caller} does not have {missing} access to the Google "
                     f"Cloud Storage {what}. Permission '{missing}' denied on resource (or it may not exist).",
                 )
             for method, pattern, name in _ROUTES:
