@@ -5,6 +5,8 @@
 #   make rehearse - the rehearsal DAG (a CPU VM at toy size) end to end in the local cloud
 #   make test  - the test suite
 #   make dist  - the installable wheel (pyproject.toml) in dist/, for a managed Airflow
+#   make publish PUBLISH_URL=... - that wheel to a Python package repository (Cloud Composer's recipe)
+#   make astro-project - an Astro project of its own in build/astro (Astro's recipe)
 #   make bench - the benchmark's one table (bench/run.py; BENCH_ARGS="--snapshots 2 --capacity 1" shrinks it)
 # All three build the environment from the lock first (uv pip sync: exactly the locked versions).
 
@@ -16,7 +18,7 @@ DAG ?= maxtext_sft
 # Empty: run_pipeline's default for the DAG (real; the slice's is fast, its only choice).
 MAXTEXT ?=
 
-.PHONY: run rehearse test bench venv system-deps bytecode lock dist test-floor params-page uv
+.PHONY: run rehearse test bench venv system-deps bytecode lock dist publish publish-url astro-project test-floor params-page uv
 
 # uv builds every environment here: the one on PATH, else one of the project's own in
 # .uv-bootstrap (a virtualenv made with Debian's python3-venv, its uv linked into
@@ -122,8 +124,31 @@ bench: venv system-deps bytecode
 
 # The wheel a managed Airflow installs (Cloud Composer, MWAA, Astro): the package, its run-time
 # files and its plugins' entry point. Built with the locked build backend, without a download.
+DIST ?= dist
 dist: venv
-	uv build -q --wheel --no-build-isolation --python $(PYTHON) -o dist .
+	uv build -q --wheel --no-build-isolation --python $(PYTHON) -o $(DIST) .
+
+# That wheel to a Python package repository (Cloud Composer's: Artifact Registry) with the pinned
+# uv. The credentials come from UV_PUBLISH_USERNAME and UV_PUBLISH_PASSWORD, never a command line
+# (docs/deploy-composer.md). PUBLISH_ARGS=--dry-run checks the files without uploading.
+PUBLISH_URL ?=
+PUBLISH_ARGS ?=
+publish: publish-url dist
+	uv publish $(PUBLISH_ARGS) --publish-url "$(PUBLISH_URL)" $(DIST)/maxtext_sft_airflow-$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-py3-none-any.whl
+
+publish-url:
+	@test -n "$(PUBLISH_URL)" || { echo "PUBLISH_URL is required: the repository's upload URL, e.g. https://REGION-python.pkg.dev/PROJECT/REPOSITORY/" >&2; exit 2; }
+
+# An Astro project of its own (docs/deploy-astro.md): deploy/astro's Dockerfile and requirements.txt
+# beside copies of dags/, plugins/ and include/, in ASTRO_PROJECT, where `astro dev start` and
+# `astro deploy` run. The repository's Dockerfile and requirements.txt (the compose file's) are
+# not touched; ASTRO_PROJECT's dags/, plugins/ and include/ are replaced on each run (edit them here).
+ASTRO_PROJECT ?= build/astro
+astro-project:
+	@mkdir -p "$(ASTRO_PROJECT)" && rm -rf "$(ASTRO_PROJECT)/dags" "$(ASTRO_PROJECT)/plugins" "$(ASTRO_PROJECT)/include" && \
+	cp deploy/astro/Dockerfile deploy/astro/requirements.txt deploy/astro/.dockerignore "$(ASTRO_PROJECT)/" && \
+	tar -c --exclude=__pycache__ --exclude='*.pyc' dags plugins include | tar -x -C "$(ASTRO_PROJECT)" && \
+	echo "An Astro project in $(ASTRO_PROJECT): astro dev start (or astro deploy) there"
 
 # The declared floor (requirements-floor.txt: Airflow 3.3.1 with MWAA 3.3.1's providers), with the
 # package installed from its wheel, not from plugins/ (pytest's pythonpath is only the repository):
@@ -143,7 +168,7 @@ test-floor: dist system-deps
 	# write the bytecode of what they import, once, even where PYTHONDONTWRITEBYTECODE is set
 	# (measured on a fresh floor venv: 71 s of CPU -> 64 s).
 	VIRTUAL_ENV=$(FLOOR_VENV) uv pip sync -q requirements-floor.lock
-	VIRTUAL_ENV=$(FLOOR_VENV) uv pip install -q --no-deps --reinstall dist/maxtext_sft_airflow-*.whl
+	VIRTUAL_ENV=$(FLOOR_VENV) uv pip install -q --no-deps --reinstall $(DIST)/maxtext_sft_airflow-*.whl
 	env -u PYTHONDONTWRITEBYTECODE MAXTEXT_SFT_FLOOR=1 MAXTEXT_SFT_JOBS_DIR=$(CURDIR)/include/jobs $(FLOOR_VENV)/bin/python -m pytest -o pythonpath=. -p no:cacheprovider -k "not ($(FLOOR_DESELECT))" $(FLOOR_TESTS)
 
 # docs/params.md from the Params' declarations (tests/test_docs.py fails when they differ).

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGE = REPO / "plugins" / "maxtext_sft"
-PACKAGE_DATA = ("vm", "eval", "rehearsal")  # include/ folders the tasks read at run time
+PACKAGE_DATA = ("vm", "eval", "rehearsal", "jobs")  # include/ folders read at run time (jobs: the example)
 
 
 def test_the_wheel_holds_every_module_and_the_run_time_files(wheel):

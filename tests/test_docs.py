@@ -5,7 +5,6 @@ it is for, and what a deployment recipe copies from this repository matches the 
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -125,10 +124,3 @@ def test_the_iam_section_lists_exactly_the_published_roles_permissions():
     page = (REPO / "docs" / "google-cloud.md").read_text()
     listed = page[page.index("<!-- role: include/iam/airflow-role.yaml -->"):page.index("<!-- end of role -->")]
     assert re.findall(r"`([a-z]+\.[A-Za-z]+\.[A-Za-z]+)`", listed) == role
-
-
-def test_astros_requirements_are_the_distributions_without_airflow():
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    page = (REPO / "docs" / "deploy-astro.md").read_text()
-    [block] = re.findall(r"```requirements\n(.*?)```", page, re.S)
-    assert block.split() == [line for line in declared if not line.startswith("apache-airflow>")]

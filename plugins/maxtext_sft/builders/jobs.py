@@ -25,7 +25,7 @@ import yaml
 from airflow.sdk import DAG
 from maxtext_sft.ui.notifier import OwnersNotifier
 from maxtext_sft.run.dag_params import pipeline_params, with_defaults
-from maxtext_sft.run.paths import include_dir
+from maxtext_sft.run.paths import include_dir, packaged_include_dir
 from maxtext_sft.builders.pipeline import fine_tune_dag
 from maxtext_sft.run.params import SLICE_DEFAULTS, SpecError
 from maxtext_sft.run.spec import build_run_spec
@@ -46,13 +46,23 @@ class JobConfigError(ValueError):
 
 
 DEFAULT_MAX_CONSECUTIVE_FAILED_RUNS = 3
+EXAMPLE_NOTE = "The package's example job."
 
 
 def jobs_dir() -> Path:
-    """include/jobs; MAXTEXT_SFT_JOBS_DIR names a folder of jobs alone (the tests' own jobs, with
-    the real VM scripts still found in include/vm)."""
+    """The team's folder of jobs: MAXTEXT_SFT_JOBS_DIR (Composer's data/jobs, MWAA's dags/jobs, the
+    tests' own jobs), else include/jobs (beside plugins/ in an Astro or compose project, or in
+    MAXTEXT_SFT_INCLUDE_DIR). An installed wheel with neither set has only the package's example
+    jobs there (is_package_examples)."""
     override = os.environ.get("MAXTEXT_SFT_JOBS_DIR")
     return Path(override) if override else include_dir() / "jobs"
+
+
+def is_package_examples(folder: Path) -> bool:
+    """Whether `folder` is the example jobs the wheel carries as package data: a deployment that
+    copied every DAG file but set no folder of its own gets the example, paused and saying so,
+    rather than an import error."""
+    return folder.resolve() == (packaged_include_dir() / "jobs").resolve()
 
 
 def load_job(path: Path) -> dict[str, Any]:
@@ -181,8 +191,16 @@ JOB_DAG_FIELDS = (
 
 def declared_job_dag(file_name: str) -> DAG:
     """The DAG of include/jobs/`file_name`; raises JobConfigError (the loader's import error)."""
-    path = jobs_dir() / file_name
+    folder = jobs_dir()
+    path = folder / file_name
+    if not path.is_file():
+        raise JobConfigError(
+            f"{file_name}: no such job in {folder} (the folder of jobs: MAXTEXT_SFT_JOBS_DIR, else include/jobs): "
+            f"put the file there, or remove this loader"
+        )
     job = load_job(path)
+    if is_package_examples(folder):
+        job = {**job, "description": f"{EXAMPLE_NOTE} {job['description']}", "tags": [*job["tags"], "example"]}
     notifier = OwnersNotifier(job["notify_conn_id"], to=job["notify_to"]) if job["notify_conn_id"] else None
     return fine_tune_dag(
         job["dag_id"],
@@ -205,8 +223,13 @@ def job_doc(path: Path, job: dict[str, Any]) -> str:
         for name, param in job["params"].items()
     )
     schedule = job["schedule"]
+    example = (
+        f"**{EXAMPLE_NOTE}** No folder of the team's own jobs is set: set `MAXTEXT_SFT_JOBS_DIR` to it "
+        f"(docs/deployment.md), or remove this DAG's file from the DAGs folder.\n\n"
+        if is_package_examples(path.parent) else ""
+    )
     return (
-        f"Declared job `include/jobs/{path.name}`, running the fine-tune of plugins/maxtext_sft/builders/pipeline.py "
+        f"{example}Declared job `{path.name}` in `{path.parent}`, running the fine-tune of plugins/maxtext_sft/builders/pipeline.py "
         f"on the schedule `{schedule}` (at most {job['max_active_runs']} run(s) at once; pauses itself after "
         f"{job['max_consecutive_failed_dag_runs'] or 'no number of'} failed runs in a row).\n\n"
         f"```yaml\n{path.read_text().rstrip()}\n```\n\n"

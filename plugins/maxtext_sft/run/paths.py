@@ -2,8 +2,8 @@
 without an output location keep their export.
 
 Beside plugins/ by default (the Astronomer and docker-compose layout); inside the package when it
-is installed from its wheel (the VM scripts, eval and rehearsal files are its package data; the
-declared jobs are not: MAXTEXT_SFT_JOBS_DIR names their folder there). The environment variable
+is installed from its wheel (the VM scripts, eval and rehearsal files are its package data, and
+the example jobs; a team's own jobs are in the folder MAXTEXT_SFT_JOBS_DIR names). The environment variable
 MAXTEXT_SFT_INCLUDE_DIR names the folder instead where a deployment puts it elsewhere, e.g.
 Composer's bucket data/ folder, mounted at /home/airflow/gcs/data. Read at call time, with no
 network or database, so DAG parsing stays cheap.
@@ -20,9 +20,13 @@ def include_dir() -> Path:
     pyproject.toml); else the repository's include/, beside plugins/."""
     if override := os.environ.get("MAXTEXT_SFT_INCLUDE_DIR"):
         return Path(override)
-    package = Path(__file__).resolve().parents[1]  # maxtext_sft/, this file being maxtext_sft/run/paths.py
-    packaged = package / "include"
-    return packaged if packaged.is_dir() else package.parents[1] / "include"
+    packaged = packaged_include_dir()
+    return packaged if packaged.is_dir() else packaged.parents[2] / "include"
+
+
+def packaged_include_dir() -> Path:
+    """maxtext_sft/include: the wheel's package data (absent in a checkout)."""
+    return Path(__file__).resolve().parents[1] / "include"  # this file being maxtext_sft/run/paths.py
 
 
 def local_output_dir() -> Path:
