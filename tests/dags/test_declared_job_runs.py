@@ -13,6 +13,10 @@ capacity gate makes the third run wait (deferred, holding no worker slot) instea
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.parse
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -27,13 +31,19 @@ from bench.run import compute_operations
 from localcloud.connections import LOCAL_HUB_USER, LOCAL_OUTPUTS_CONF, LOCAL_PROJECT, LOCAL_RUN_CONF
 from localcloud.smtp import MailReceiver, body_text
 from localcloud.webhook import WebhookReceiver
+from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
+from maxtext_sft.cloud.instances import EXPIRY_LABEL
 from maxtext_sft.cloud.storage import StorageEndpointHook
+from tests.conftest import REPO
+from tests.plugins.test_spec import make_spec
+from tests.test_recipes import recipe
 from tests.dags.conftest import module_airflow, wait_for_run_end, wait_until
 from tests.dags.test_ui import ARTIFACTS, UI_TIMEOUT, chromium, save_artifact
 
 pytestmark = pytest.mark.e2e
 
 USER, PASSWORD = "admin", "run-notes-password"
+JANITOR_PASSWORD = "janitor's \"password\""  # quotes: the recipe's login file must escape them
 SLACK_TOKEN = "T0NOTES/B0NOTES/run-notes-webhook-secret"
 LOADER = 'from airflow.sdk import DAG\nfrom maxtext_sft.builders.jobs import declared_job_dag\ndag: DAG = declared_job_dag("{}")\n'
 NOTIFIED_JOBS = {  # dag_id -> its notify block: each job's run is refused by preflight
@@ -102,7 +112,7 @@ def jobs_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrat
         }
         with module_airflow(
             tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
-            dags_folder=dags, dag_id="team_slack_job", users={USER: PASSWORD}, parallelism=6,
+            dags_folder=dags, dag_id="team_slack_job", users={USER: PASSWORD, "janitor": JANITOR_PASSWORD}, parallelism=6,
         ) as airflow:
             yield SimpleNamespace(airflow=airflow, slack=slack, smtp=smtp, webhook=webhook)
 
@@ -194,6 +204,51 @@ def test_the_failed_runs_page_shows_the_cause_without_opening_a_log(failed_runs,
             save_artifact(driver, "failed-run-page-failure")
             raise
     assert "Failed at preflight" in (ARTIFACTS / "failed-run-page.html").read_text()
+
+
+def test_the_janitor_command_asks_airflow_with_the_recipes_login_and_deletes_a_failed_runs_vm(failed_runs, local_cloud, tmp_path):
+    """docs/reliability.md's janitor recipe, run as printed against this Airflow, whose users log in:
+    a VM left by a run that failed (its teardown could not run) and one whose run this Airflow never
+    had, both within their lifetime. Only Airflow's answers can condemn them."""
+    airflow, runs, _, _ = failed_runs
+    hook = ComputeEngineEndpointHook(gcp_conn_id="google_cloud_default")
+    left = {}
+    for name, (dag_id, run_id) in {
+        "failed-run": ("team_slack_job", runs["team_slack_job"]["dag_run_id"]),
+        "unknown-run": ("team_mail_job", "manual__never-ran"),
+    }.items():
+        spec = make_spec(run_id=f"{name}-{time.time_ns()}", project_id=LOCAL_PROJECT, reservation=LOCAL_RUN_CONF["reservation"])
+        body = spec.instance_body()
+        body["labels"][EXPIRY_LABEL] = str(int(time.time()) + 3600)
+        metadata = {item["key"]: item for item in body["metadata"]["items"]}
+        metadata["airflow-dag-id"]["value"], metadata["airflow-run-id"]["value"] = dag_id, run_id
+        hook.insert_instance(body=body, zone=spec.zone, project_id=LOCAL_PROJECT)
+        left[name] = spec.vm_name
+    zone = spec.zone
+    commands = recipe(REPO / "docs" / "reliability.md", "janitor-command")
+    commands = commands.replace("PROJECT", LOCAL_PROJECT).replace("AIRFLOW_URL", airflow.url).replace("python ", f"{sys.executable} ")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "plugins"), "JANITOR_PASSWORD": "not the password"}
+    env.pop("AIRFLOW_API_TOKEN", None)
+    try:
+        # A wrong password: Airflow refuses the login, its API then every read, and nothing is deleted.
+        refused = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 0, refused.stderr
+        assert "Airflow refused the login in janitor-login.json (401)" in refused.stderr, refused.stderr
+        assert set(left.values()) <= {vm["name"] for vm in local_cloud.vms()}
+        assert oct((tmp_path / "janitor-login.json").stat().st_mode & 0o777) == "0o600"
+        # The right one: the failed run's VM and the unknown run's go, each for its reason.
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path,
+                              env={**env, "JANITOR_PASSWORD": JANITOR_PASSWORD}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        deleted = {vm["name"]: vm["reason"] for vm in json.loads(done.stdout.strip().splitlines()[-1])}
+        assert set(deleted) == set(left.values()), done.stderr
+        assert "is failed" in deleted[left["failed-run"]] and "no longer exists" in deleted[left["unknown-run"]], deleted
+        assert JANITOR_PASSWORD not in done.stderr + done.stdout
+    finally:
+        for vm in local_cloud.vms():
+            if vm["name"] in left.values():
+                hook.delete_instance(resource_id=vm["name"], zone=zone, project_id=LOCAL_PROJECT)
 
 
 @pytest.fixture

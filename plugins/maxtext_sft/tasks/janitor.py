@@ -8,10 +8,12 @@ an instance without that label is never touched. Two ways to run it:
   Airflow about runs through the Task SDK;
 - a command for cron or Cloud Scheduler, which works while Airflow is down:
 
-      python -m maxtext_sft.tasks.janitor --project P [--airflow-url URL] [--dry-run]
+      python -m maxtext_sft.tasks.janitor --project P [--airflow-url URL [--airflow-login FILE]] [--dry-run]
 
-  With `--airflow-url` (and AIRFLOW_API_TOKEN) it asks the REST API about runs; without it, or
-  when the API does not answer, only the expiry label (`expires-at`, set at create time) decides.
+  With `--airflow-url` it asks the REST API about runs, with the token in AIRFLOW_API_TOKEN or
+  one it gets from Airflow's `POST /auth/token` with the login in FILE (JSON: username,
+  password); without it, or when the API does not answer, only the expiry label (`expires-at`,
+  set at create time) decides.
   Credentials and a private API endpoint come from the Airflow connection
   `google_cloud_default` given as AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT (or `--gcp-conn-id`).
 """
@@ -167,6 +169,24 @@ def rest_api_run_state(base_url: str, token: str | None) -> Callable[[str, str],
     return run_state
 
 
+def login_token(base_url: str, login_file: str) -> str | None:
+    """A token from Airflow's `POST /auth/token` (the simple and FAB auth managers) for the login
+    in `login_file`; None, logged, when Airflow refuses it or does not answer (then only lifetimes
+    and a token from the environment decide). The password is read from the file, never argv."""
+    with open(login_file, "rb") as login:
+        body = login.read()
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/auth/token", data=body,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.load(response)["access_token"]
+    except urllib.error.HTTPError as error:
+        log.warning("Airflow refused the login in %s (%s): its API answers without a token", login_file, error.code)
+    except OSError as error:
+        log.warning("Airflow API unreachable (%s): only lifetimes decide", error)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -174,15 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", required=True)
     parser.add_argument("--gcp-conn-id", default="google_cloud_default")
     parser.add_argument("--airflow-url", help="Airflow's base URL for the REST API (token: AIRFLOW_API_TOKEN)")
+    parser.add_argument("--airflow-login", metavar="FILE",
+                        help='a JSON file {"username": ..., "password": ...}: the token from POST /auth/token instead')
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
+    if args.airflow_login and not args.airflow_url:
+        parser.error("--airflow-login needs --airflow-url")
     from maxtext_sft.cloud.compute import ComputeEngineEndpointHook
 
     # After Airflow's import set up its own logging: this command logs plainly to stderr.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
 
     if args.airflow_url:
-        run_state = rest_api_run_state(args.airflow_url, os.environ.get("AIRFLOW_API_TOKEN"))
+        token = os.environ.get("AIRFLOW_API_TOKEN")
+        if args.airflow_login:
+            token = login_token(args.airflow_url, args.airflow_login) or token
+        run_state = rest_api_run_state(args.airflow_url, token)
     else:
         run_state = lambda dag_id, run_id: UNKNOWN  # noqa: E731 - Airflow not asked: lifetimes decide
     deleted = sweep(ComputeEngineEndpointHook(gcp_conn_id=args.gcp_conn_id), args.project, run_state, dry_run=args.dry_run)
