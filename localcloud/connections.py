@@ -119,7 +119,13 @@ def prepare_local_cloud(cloud, hf_token: str) -> None:
     """What a team has before its first run: the reservation the run conf names, the output bucket,
     a Hub account whose write token the Hugging Face connection holds, with the gated base model's
     licence accepted, and the Google connection's account holding exactly the published role."""
+    from localcloud.cloud import VM_ACCESS_TOKEN, VM_SERVICE_ACCOUNT_EMAIL
+    from localcloud.storage.iam import STORAGE_OBJECT_USER
+
     cloud.bind_role(f"serviceAccount:{LOCAL_SERVICE_ACCOUNT}", airflow_role_permissions())
+    # The VMs' service account holds Storage Object User (docs/google-cloud.md): their gcloud calls
+    # are checked against it.
+    cloud.bind_role(f"serviceAccount:{VM_SERVICE_ACCOUNT_EMAIL}", list(STORAGE_OBJECT_USER), token=VM_ACCESS_TOKEN)
     cloud.add_reservation(LOCAL_RUN_CONF["reservation"], LOCAL_RESERVATION_COUNT, zone=LOCAL_ZONE, project=LOCAL_PROJECT)
     cloud.create_bucket(LOCAL_BUCKET, exist_ok=True)
     cloud.hub.add_user(LOCAL_HUB_USER, hf_token, role="write")

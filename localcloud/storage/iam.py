@@ -24,6 +24,21 @@ import threading
 import urllib.parse
 import urllib.request
 
+# Storage Object User (roles/storage.objectUser), the predefined role the docs give the VMs'
+# service account on the output bucket, as `gcloud iam roles describe roles/storage.objectUser`
+# prints it (the dump in darkbitio/gcp-iam-role-permissions, roles/storage.objectUser, 2026-08-22).
+# No storage.buckets.get: a VM that reads the bucket's own metadata is refused.
+STORAGE_OBJECT_USER = (
+    "monitoring.timeSeries.create", "orgpolicy.policy.get", "resourcemanager.projects.get",
+    "resourcemanager.projects.list", "storage.folders.create", "storage.folders.delete", "storage.folders.get",
+    "storage.folders.list", "storage.folders.rename", "storage.managedFolders.create", "storage.managedFolders.delete",
+    "storage.managedFolders.get", "storage.managedFolders.list", "storage.multipartUploads.abort",
+    "storage.multipartUploads.create", "storage.multipartUploads.list", "storage.multipartUploads.listParts",
+    "storage.objects.create", "storage.objects.createContext", "storage.objects.delete", "storage.objects.deleteContext",
+    "storage.objects.get", "storage.objects.list", "storage.objects.move", "storage.objects.restore",
+    "storage.objects.update", "storage.objects.updateContext",
+)
+
 # (method, path pattern) -> permissions, in match order (server.py's paths).
 _METHODS: list[tuple[str, re.Pattern[str], tuple[str, ...]]] = [
     (method, re.compile(pattern), permissions)

@@ -61,3 +61,35 @@ def test_storage_refuses_what_the_bound_role_lacks(compute_cloud, credentials):
     assert bucket.blob("allowed.txt").download_as_bytes() == b"x"
     with pytest.raises(Forbidden, match="storage.objects.delete"):
         bucket.blob("allowed.txt").delete()
+
+
+def test_the_vms_account_holds_storage_object_user_as_the_local_cloud_prepares_it(compute_cloud, tmp_path):
+    """The VMs' gcloud (their token, storage_env) under roles/storage.objectUser: objects written,
+    listed, read and deleted; the bucket's own metadata refused, as that role has no
+    storage.buckets.get."""
+    import subprocess
+
+    from localcloud.cloud import VM_ACCESS_TOKEN, VM_SERVICE_ACCOUNT_EMAIL, storage_env
+    from localcloud.storage.iam import STORAGE_OBJECT_USER
+
+    compute_cloud.create_bucket("vm-role-bucket", exist_ok=True)
+    member = f"serviceAccount:{VM_SERVICE_ACCOUNT_EMAIL}"
+    compute_cloud.bind_role(member, list(STORAGE_OBJECT_USER), token=VM_ACCESS_TOKEN)
+    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(tmp_path), **storage_env(compute_cloud.storage_url)}
+
+    def gcloud(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["gcloud", "storage", *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+
+    try:
+        (tmp_path / "step.txt").write_text("1")
+        assert gcloud("cp", "step.txt", "gs://vm-role-bucket/run/step.txt").returncode == 0
+        listed = gcloud("ls", "gs://vm-role-bucket/run/")
+        assert listed.stdout.split() == ["gs://vm-role-bucket/run/step.txt"], listed.stderr
+        assert gcloud("cat", "gs://vm-role-bucket/run/step.txt").stdout == "1"
+        refused = gcloud("buckets", "describe", "gs://vm-role-bucket")
+        assert refused.returncode != 0
+        assert f"{VM_SERVICE_ACCOUNT_EMAIL} does not have storage.buckets.get access" in refused.stderr, refused.stderr
+        assert gcloud("rm", "gs://vm-role-bucket/run/step.txt").returncode == 0
+    finally:
+        compute_cloud.bind_role(member, None)
