@@ -371,6 +371,14 @@ class LocalCloud:
         }
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/preempt", body)
 
+    def host_event(self, name: str, event: str = "compute.instances.hostError", *, project: str | None = None,
+                   zone: str | None = None) -> dict:
+        """End RUNNING instance `name` by a host event as Compute Engine does (a host error, or
+        `compute.instances.terminateOnHostMaintenance`): a DONE system-event operation in its zone,
+        the instance TERMINATED. A managed instance group's member is then repaired by its group."""
+        body = {"event": event, **({"project": project} if project else {}), **({"zone": zone} if zone else {})}
+        return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/host-event", body)
+
     def set_sshd_paused(self, name: str, paused: bool) -> dict:
         """Freeze the sshd of running VM `name` (connections queue, no SSH banner) or let it go on."""
         return self._control("POST", f"vms/{urllib.parse.quote(name, safe='')}/sshd", {"paused": paused})

@@ -18,7 +18,14 @@ trying to create a member whose creation failed (ManagedInstance.currentAction s
 its `lastAttempt.errors` holds the failed attempt's errors) and re-creates a member whose
 instance vanished, until the group is deleted; deleting the group deletes its instances first.
 
-Not emulated: resize, updates, abandon/recreate and the other IGM methods, regional MIGs,
+recreateInstances flags members for recreation (its operation DONE once flagged, as the discovery
+document says) and the group deletes each and creates it again under its name, currentAction
+RECREATING until the new instance runs. A member whose instance stops running by no act of the
+group (TERMINATED: a preemption, a host error, a stop) is repaired the same way, as MIGs repair a
+failed VM by default ("About repairing VMs in a MIG"; the discovery document's
+instanceLifecyclePolicy.defaultActionOnFailure: REPAIR, the default, or DO_NOTHING).
+
+Not emulated: resize, updates, abandon and the other IGM methods, regional MIGs, health-check
 autohealing, list of the three collections, checks that the policy's topology matches the
 group's size and machine type, and the `created-by`/`instance-template` metadata a MIG adds.
 
@@ -40,7 +47,7 @@ import time
 
 from . import errors
 from .errors import ApiError
-from .operations import Operations
+from .operations import Operations, new_operation_name
 from .resources import (
     Link, Request, check_labels, check_metadata, new_fingerprint, new_id, now_rfc3339, query_arg, relative_url,
     validated_body, zonal_list,
@@ -76,6 +83,10 @@ class Member:
     operation: dict | None = None  # the latest instances.insert operation for it
     errors: list[dict] | None = None  # the latest failed attempt's errors
     retry_at: float = 0.0
+    # Flagged for recreation (recreateInstances, or a repair of its failed instance): its instance
+    # is deleted, then created again under the same name; currentAction RECREATING meanwhile.
+    recreating: bool = False
+    replacing: str | None = None  # the id of the instance it replaces, until that one is deleted
 
 
 @dataclasses.dataclass
@@ -352,6 +363,8 @@ class SliceResources(Operations):
         op = member.operation
         if group.deleting and inst is not None:
             action = "DELETING"
+        elif member.recreating:
+            action = "RECREATING"
         elif inst is not None and op is not None and op["status"] == "DONE" and "error" not in op:
             action = "NONE"
         else:
@@ -397,6 +410,39 @@ class SliceResources(Operations):
             group = self._group(project, zone, name)
             return {"managedInstances": [self._member_view(group, m)[1] for m in group.members]}
 
+    def recreate_instances(self, project: str, zone: str, name: str, req: Request) -> dict:
+        """instanceGroupManagers.recreateInstances: flag the named members; the group's loop
+        deletes and creates each. The operation is DONE once they are flagged (the discovery
+        document's description of the method)."""
+        body = validated_body(
+            req, "compute.instanceGroupManagers.recreateInstances", "InstanceGroupManagersRecreateInstancesRequest",
+            "instance_group_managers_recreate_instances_request_resource",
+        )
+        request_id = query_arg(req.query, "requestId")
+        with self.changed:
+            if replayed := self._replayed(project, request_id):
+                return replayed
+            group = self._group(project, zone, name)
+            if group.deleting:
+                raise errors.not_ready(group.path)
+            by_name = {m.name: m for m in group.members}
+            flagged = []
+            for i, url in enumerate(body.get("instances") or []):
+                m = re.fullmatch(r"(?:projects/[^/]+/)?zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)", relative_url(url))
+                if not m or m.group("zone") != zone or m.group("name") not in by_name:
+                    # The API's invalid-value shape (errors.invalid_field_value) without an
+                    # explanation: no capture of the real refusal of a non-member was found.
+                    raise errors.invalid(f"Invalid value for field 'resource.instances[{i}]': '{url}'.")
+                flagged.append(by_name[m.group("name")])
+            for member in flagged:
+                inst = self.instances.get((project, zone, member.name))
+                member.recreating, member.replacing = True, inst.resource["id"] if inst is not None else None
+            op = self._register_operation(project, zone, "recreateInstances", group.path, group.resource["id"], request_id)
+            self.changed.notify_all()
+        answer = copy.deepcopy(op)  # as sent, before the worker can finish it
+        self._finish_soon(op)
+        return answer
+
     def delete_group(self, project: str, zone: str, name: str, req: Request) -> dict:
         request_id = query_arg(req.query, "requestId")
         with self.lock:
@@ -441,11 +487,33 @@ class SliceResources(Operations):
                 if group.deleting or self.closing:
                     return
                 now = time.time()
-                due = []
+                due, doomed = [], []
+                repair = (group.resource.get("instanceLifecyclePolicy") or {}).get("defaultActionOnFailure") != "DO_NOTHING"
                 for member in group.members:
                     inst = self.instances.get((group.project, group.zone, member.name))
                     op = member.operation
+                    if inst is not None and not inst.deleting and (
+                        inst.resource["id"] == member.replacing or (repair and inst.status == "TERMINATED")
+                    ):
+                        if inst.resource["id"] != member.replacing:
+                            # A repair, recorded as Compute Engine records one: a DONE
+                            # compute.instances.repair.recreateInstance operation on the instance by
+                            # "system" (gcpdiag's VM-termination runbook filters operations on that
+                            # type; audit logs show the MIG's repairs by system@google.com).
+                            event = self._register_operation(
+                                group.project, group.zone, "compute.instances.repair.recreateInstance", inst.path,
+                                inst.resource["id"], None, name=new_operation_name("systemevent"), user="system",
+                            )
+                            event.update(status="DONE", progress=100, startTime=event["insertTime"],
+                                         endTime=event["insertTime"])
+                        # Flagged, or failed: either way a recreation under the same name.
+                        member.recreating, member.replacing = True, inst.resource["id"]
+                        doomed.append(member)
+                        continue
                     if inst is not None or (op is not None and op["status"] != "DONE"):
+                        if (inst is not None and member.recreating and inst.resource["id"] != member.replacing
+                                and inst.status == "RUNNING" and not inst.deleting):
+                            member.recreating, member.replacing = False, None  # its new instance runs
                         continue
                     if op is not None and "error" in op:
                         if member.errors is None or member.errors is not op["error"]["errors"]:
@@ -453,6 +521,11 @@ class SliceResources(Operations):
                             member.retry_at = now + RETRY_SECONDS
                     if now >= member.retry_at:
                         due.append(member)
+            for member in doomed:
+                try:
+                    self.delete_instance(group.project, group.zone, member.name, Request({}, None, ""))
+                except ApiError:
+                    pass  # being deleted already, or gone meanwhile: created again below once gone
             for member in due:
                 self._create_member(group, member)
             with self.changed:

@@ -443,6 +443,34 @@ class InstanceLifecycle(Operations):
         threading.Thread(target=soft_off_then_off, name=f"preempt-{inst.name}", daemon=True).start()
         return answer
 
+    # The system events with which Compute Engine itself ends a VM on a host's failure or its
+    # maintenance (a VM with onHostMaintenance TERMINATE, as a TPU VM has): operationType values in
+    # the zone's operations list that GoogleCloudPlatform/gcpdiag's VM-termination runbook filters
+    # on (gcpdiag/runbook/gce/vm_termination.py, TERMINATION_OPERATION_FILTER).
+    HOST_EVENTS = ("compute.instances.hostError", "compute.instances.terminateOnHostMaintenance")
+
+    def host_event(self, name: str, event: str, project: str | None = None, zone: str | None = None) -> dict:
+        """End a RUNNING instance by a host event: a DONE system-event operation of type `event`
+        in its zone (name systemevent-..., user "system", as a preemption's), then the instance
+        TERMINATED, its processes gone. No statusMessage: none of a real one was found. Returns
+        when done: {name, project, zone, status, operation}."""
+        if event not in self.HOST_EVENTS:
+            raise errors.invalid(f"Unknown host event '{event}': one of {', '.join(self.HOST_EVENTS)}.")
+        with self.changed:
+            inst = self._named_instance(name, project, zone)
+            if inst.deleting or inst.status != "RUNNING":
+                raise errors.invalid(f"Instance '{inst.path}' is {inst.status}: only a RUNNING instance is ended.")
+            op = self._register_operation(
+                inst.project, inst.zone, event, inst.path, inst.resource["id"], None,
+                name=new_operation_name("systemevent"), user="system",
+            )
+            op.update(status="DONE", progress=100, startTime=op["insertTime"], endTime=op["insertTime"])
+            self._begin_termination(inst, "STOP")
+        self._finish_termination(inst, "STOP")
+        with self.lock:
+            return {"name": inst.name, "project": inst.project, "zone": inst.zone, "status": inst.status,
+                    "operation": op["name"]}
+
     def pause_sshd(self, name: str, paused: bool) -> dict:
         """Freeze (SIGSTOP) or resume the sshd of a running VM: the ssh_banner_timeout fault, but
         from now on and until resumed, for tests that must hold an SSH connect at a chosen time."""

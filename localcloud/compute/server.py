@@ -90,6 +90,11 @@ ROUTES += [
         _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers/(?P<name>[^/]+)/listManagedInstances",
         "list_managed_instances",
     ),
+    (
+        "POST",
+        _P + r"/zones/(?P<zone>[^/]+)/instanceGroupManagers/(?P<name>[^/]+)/recreateInstances",
+        "recreate_instances",
+    ),
     ("GET", _P + r"/zones/(?P<zone>[^/]+)/autoscalers", "list_autoscalers"),
     ("GET", _P + r"/regions/(?P<region>[^/]+)/operations/(?P<operation>[^/]+)", "get_region_operation"),
     ("POST", _P + r"/regions/(?P<region>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_region_operation"),
@@ -157,6 +162,11 @@ class ControlApi:
             return 200, emulator.preempt(
                 unquote(m.group(1)), body.get("project"), body.get("zone"), body.get("soft_off_seconds", 30.0)
             )
+        if (m := re.fullmatch(r"vms/([^/]+)/host-event", what)) and method == "POST":
+            # {"event": "compute.instances.hostError" | "...terminateOnHostMaintenance", "project"?, "zone"?}.
+            if not isinstance(body, dict) or "event" not in body or set(body) - {"event", "project", "zone"}:
+                raise ApiError(400, "invalid", 'Expected {"event", "project"?, "zone"?}.')
+            return 200, emulator.host_event(unquote(m.group(1)), body["event"], body.get("project"), body.get("zone"))
         if (m := re.fullmatch(r"vms/([^/]+)/sshd", what)) and method == "POST":
             # {"paused": true | false}: freeze a running VM's sshd (no banner) or let it go on.
             if not isinstance(body, dict) or set(body) != {"paused"} or not isinstance(body["paused"], bool):

@@ -12,6 +12,7 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
+from localcloud.cloud import LocalCloudError
 from localcloud.compute.testing import TUTORIAL_IMAGE_KEY
 from tests.conftest import poll
 from tests.gcloud import gcloud_runner
@@ -223,6 +224,68 @@ def test_hosts_the_reservation_cannot_hold_stay_creating_until_it_can(compute_cl
     finally:
         delete_slice(api, compute_discovery, name)
     assert in_use(api, "slice-res-b") == 0
+
+
+def test_recreate_instances_and_the_repair_of_a_lost_host_keep_each_name(compute_cloud, compute_discovery, api):
+    """recreateInstances: the operation DONE once flagged, the member RECREATING (the group not
+    stable) until a new instance of the same name runs; a host that stops running by no act of
+    the group (TERMINATED, as Compute Engine itself ends a VM: LocalCloud.terminate_vm) is
+    repaired the same way, the reservation holding one unit per host throughout."""
+    compute_cloud.add_reservation("slice-res-r", 2, "ct6e-standard-4t", project=PROJECT, zone=ZONE)
+    name = "slice-r"
+    try:
+        make_slice(api, compute_discovery, name, size=2, reservation="slice-res-r")
+        members = poll(lambda: (m := managed(api, name)) and all(i.current_action == "NONE" for i in m) and m, 60, "2 hosts up")
+        first = {m.name: m.id for m in members}
+        recreated, other = sorted(first)
+
+        op = api["groups"].recreate_instances(
+            project=PROJECT, zone=ZONE, instance_group_manager=name,
+            instance_group_managers_recreate_instances_request_resource=compute_v1.InstanceGroupManagersRecreateInstancesRequest(
+                instances=[f"zones/{ZONE}/instances/{recreated}"]),
+        )
+        done = wait(compute_discovery, op, zone=ZONE)
+        assert "error" not in done and done["operationType"] == "recreateInstances", done
+        group = api["groups"].get(project=PROJECT, zone=ZONE, instance_group_manager=name)
+        actions = {m.name: m.current_action for m in managed(api, name)}
+        if actions[recreated] == "RECREATING":  # the new instance may already run on a quick machine
+            assert not group.status.is_stable and group.current_actions.recreating == 1
+        assert actions[other] == "NONE"
+        back = poll(lambda: (m := {i.name: i for i in managed(api, name)}) and all(
+            i.current_action == "NONE" and i.instance_status == "RUNNING" for i in m.values()) and m, 60, "recreated")
+        assert set(back) == set(first)
+        assert back[recreated].id != first[recreated] and back[other].id == first[other]
+        assert api["groups"].get(project=PROJECT, zone=ZONE, instance_group_manager=name).status.is_stable
+
+        # The other host's host fails (TERMINATED, not by the group): repaired under its name, both
+        # recorded in the zone's operations as Compute Engine records them.
+        compute_cloud.host_event(other, "compute.instances.hostError", project=PROJECT, zone=ZONE)
+        repaired = poll(lambda: (m := {i.name: i for i in managed(api, name)}) and m[other].id != first[other] and all(
+            i.current_action == "NONE" and i.instance_status == "RUNNING" for i in m.values()) and m, 60, "repaired")
+        assert set(repaired) == set(first)
+        assert in_use(api, "slice-res-r") == 2
+        events = [op for op in compute_discovery.zoneOperations().list(project=PROJECT, zone=ZONE).execute()["items"]
+                  if op.get("targetId") == str(first[other])]
+        by_type = {op["operationType"]: op for op in events}
+        assert {kind: (by_type[kind]["status"], by_type[kind]["user"]) for kind in (
+            "compute.instances.hostError", "compute.instances.repair.recreateInstance")} == {
+            "compute.instances.hostError": ("DONE", "system"),
+            "compute.instances.repair.recreateInstance": ("DONE", "system"),
+        }, events
+        assert by_type["delete"]["status"] == "DONE"  # the group's deletion of the failed instance
+        with pytest.raises(LocalCloudError, match="Unknown host event"):
+            compute_cloud.host_event(recreated, "compute.instances.noSuchEvent", project=PROJECT, zone=ZONE)
+
+        # A name that is not the group's is refused, with nothing flagged.
+        with pytest.raises(gexc.BadRequest):
+            api["groups"].recreate_instances(
+                project=PROJECT, zone=ZONE, instance_group_manager=name,
+                instance_group_managers_recreate_instances_request_resource=compute_v1.InstanceGroupManagersRecreateInstancesRequest(
+                    instances=[f"zones/{ZONE}/instances/not-a-member"]),
+            )
+        assert {m.current_action for m in managed(api, name)} == {"NONE"}
+    finally:
+        delete_slice(api, compute_discovery, name)
 
 
 def error_of(exc: gexc.GoogleAPICallError) -> tuple[int, str, str]:
