@@ -177,3 +177,12 @@ def test_the_command_deletes_an_expired_slices_group_template_and_policy(local_c
     with pytest.raises(NotFound):
         hook.get_instance_template(resource_id=spec.template_name, project_id=LOCAL_PROJECT)
     assert hook.get_resource_policy(name=spec.policy_name, region=spec.region, project_id=LOCAL_PROJECT) is None
+
+
+def test_the_command_refuses_a_login_file_without_airflows_url(capsys):
+    from maxtext_sft.tasks.janitor import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--project", LOCAL_PROJECT, "--airflow-login", "janitor-login.json"])
+    assert refused.value.code == 2
+    assert "--airflow-login needs --airflow-url" in capsys.readouterr().err
