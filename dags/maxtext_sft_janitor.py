@@ -21,7 +21,9 @@ from maxtext_sft.ui.notifier import OwnersNotifier
 
 log = logging.getLogger(__name__)
 GCP_CONN_ID = "google_cloud_default"
-# Airflow config (AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES): how often the janitor sweeps.
+# Airflow config (AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES): how often the janitor sweeps;
+# 0: never on its own (a deployment that runs the janitor command from cron, the tests' Airflows
+# that make VMs of runs that do not exist), only when triggered.
 INTERVAL = timedelta(minutes=conf.getint("maxtext_sft", "janitor_interval_minutes", fallback=10))
 
 def _run_not_found(error: Exception) -> bool:
@@ -36,7 +38,7 @@ def _run_not_found(error: Exception) -> bool:
 with DAG(
     dag_id="maxtext_sft_janitor",
     description="Delete MaxText SFT VMs whose run is over or whose lifetime has passed",
-    schedule=INTERVAL,
+    schedule=INTERVAL or None,
     catchup=False,
     max_active_runs=1,
     params={

@@ -186,3 +186,17 @@ def test_the_command_refuses_a_login_file_without_airflows_url(capsys):
         main(["--project", LOCAL_PROJECT, "--airflow-login", "janitor-login.json"])
     assert refused.value.code == 2
     assert "--airflow-login needs --airflow-url" in capsys.readouterr().err
+
+
+def test_an_interval_of_zero_leaves_the_dag_unscheduled(tmp_path):
+    """[maxtext_sft] janitor_interval_minutes = 0: the DAG runs only when triggered."""
+    probe = ("from airflow.dag_processing.dagbag import DagBag; import sys; "
+             "dag = DagBag(sys.argv[1]).dags['maxtext_sft_janitor']; print(type(dag.timetable).__name__, dag.schedule)")
+    found = {}
+    for minutes in ("0", "10"):
+        env = {**os.environ, "PYTHONPATH": str(REPO / "plugins"), "AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES": minutes}
+        done = subprocess.run([sys.executable, "-c", probe, str(REPO / "dags" / "maxtext_sft_janitor.py")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        found[minutes] = done.stdout.strip().splitlines()[-1]
+    assert found == {"0": "NullTimetable None", "10": "DeltaTriggerTimetable 0:10:00"}, found

@@ -39,8 +39,8 @@ def airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_da
         "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": BUNDLE_CONFIG_LIST,
         # The janitor DAG deletes the VMs these tests make straight through the API (their DAG runs
         # do not exist) whenever its 10-minute tick falls inside a test: once the other run's VM in
-        # the gate test (2026-12-08), which freed the reservation early. It runs once, at the start.
-        "AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES": "1440",
+        # the gate test (2026-12-08), which freed the reservation early. Here it is not scheduled.
+        "AIRFLOW__MAXTEXT_SFT__JANITOR_INTERVAL_MINUTES": "0",
     }
     with module_airflow(tmp_path_factory, pipeline_connections, postgres_server, migrated_database, settings,
                         installed_package=wheel_site) as instance:
