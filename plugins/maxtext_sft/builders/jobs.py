@@ -199,7 +199,8 @@ def declared_job_dag(file_name: str) -> DAG:
             f"put the file there, or remove this loader"
         )
     job = load_job(path)
-    if is_package_examples(folder):
+    example = is_package_examples(folder)
+    if example:
         job = {**job, "description": f"{EXAMPLE_NOTE} {job['description']}", "tags": [*job["tags"], "example"]}
     notifier = OwnersNotifier(job["notify_conn_id"], to=job["notify_to"]) if job["notify_conn_id"] else None
     return fine_tune_dag(
@@ -209,11 +210,11 @@ def declared_job_dag(file_name: str) -> DAG:
         is_paused_upon_creation=True,
         on_failure_callback=notifier,
         tpu_slice="tpu_slice" in job["params"],
-        doc_md=job_doc(path, job),
+        doc_md=job_doc(path, job, example=example),
     )
 
 
-def job_doc(path: Path, job: dict[str, Any]) -> str:
+def job_doc(path: Path, job: dict[str, Any], *, example: bool = False) -> str:
     """The job DAG's docs: its file as written, then every value its runs get (the file's, else
     the tutorial's), so the DAG's page answers "what does this job run" without the Params schema."""
     file_params = (yaml.safe_load(path.read_text()) or {}).get("params") or {}
@@ -223,13 +224,13 @@ def job_doc(path: Path, job: dict[str, Any]) -> str:
         for name, param in job["params"].items()
     )
     schedule = job["schedule"]
-    example = (
+    note = (
         f"**{EXAMPLE_NOTE}** No folder of the team's own jobs is set: set `MAXTEXT_SFT_JOBS_DIR` to it "
         f"(docs/deployment.md), or remove this DAG's file from the DAGs folder.\n\n"
-        if is_package_examples(path.parent) else ""
+        if example else ""
     )
     return (
-        f"{example}Declared job `{path.name}` in `{path.parent}`, running the fine-tune of plugins/maxtext_sft/builders/pipeline.py "
+        f"{note}Declared job `{path.name}` in `{path.parent}`, running the fine-tune of plugins/maxtext_sft/builders/pipeline.py "
         f"on the schedule `{schedule}` (at most {job['max_active_runs']} run(s) at once; pauses itself after "
         f"{job['max_consecutive_failed_dag_runs'] or 'no number of'} failed runs in a row).\n\n"
         f"```yaml\n{path.read_text().rstrip()}\n```\n\n"
